@@ -1,0 +1,73 @@
+"""What a chapter's tests run against: the learner's notebook, the live kernel, the reference, or a mutant.
+
+Tests ask `impl.rms_norm(...)`; `Implementation` hands back the chosen object and, for functions, wraps the
+call so that an exception inside the learner's code is reported as that exercise's failure, with the input.
+"""
+
+import functools
+import importlib.util
+import inspect
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class ExerciseError(AssertionError):
+    """An exercise could not be graded: it is not implemented, failed to load, or raised."""
+
+
+def describe(value: Any) -> str:
+    """A short, readable rendering of a test input or output for failure messages."""
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return f"tensor{tuple(shape)} {str(getattr(value, 'dtype', '')).replace('torch.', '')}"
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+class Implementation:
+    """A namespace of exercises: `impl.<name>` is the implementation under test."""
+
+    def __init__(self, kind: str, objects: Mapping[str, Any], errors: Mapping[str, str] | None = None) -> None:
+        self.kind = kind
+        self._objects = dict(objects)
+        self._errors = dict(errors or {})
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name in self._errors:
+            raise ExerciseError(f"exercise `{name}`: {self._errors[name]}")
+        if name not in self._objects:
+            raise ExerciseError(f"exercise `{name}` is not defined in the {self.kind} implementation")
+        obj = self._objects[name]
+        return _reported(name, obj) if inspect.isfunction(obj) else obj
+
+
+def _reported(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except NotImplementedError as error:
+            raise ExerciseError(f"exercise `{name}` is not implemented yet ({error or 'see its hint'})") from None
+        except AssertionError:
+            raise
+        except Exception as error:  # the learner's bug: say where, and on what
+            inputs = ", ".join([describe(a) for a in args] + [f"{k}={describe(v)}" for k, v in kwargs.items()])
+            raise ExerciseError(f"exercise `{name}` raised {type(error).__name__}: {error}\n  on input: ({inputs})") from error
+
+    return call
+
+
+def load_mutants(chapter: str) -> dict[str, dict[str, Any]]:
+    """Plausible wrong implementations for a chapter, from tests/mutants/ch<NN>.py (`MUTANTS`)."""
+    path = ROOT / "tests" / "mutants" / f"ch{chapter[:2]}.py"
+    spec = importlib.util.spec_from_file_location(f"mutants_ch{chapter[:2]}", path)
+    if spec is None or spec.loader is None or not path.exists():
+        raise ValueError(f"no mutants for chapter {chapter}: {path} is missing")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.MUTANTS

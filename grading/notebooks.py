@@ -1,0 +1,63 @@
+"""Run chapter notebooks with the reference engine in place of the exercise cells.
+
+    python -m grading.notebooks                      # execute every chapter, store outputs, keep the stubs
+    python -m grading.notebooks 01_naive_attention   # one chapter
+
+The shipped notebooks keep stubs in their exercise cells but carry the outputs of this run, so learners
+and the site see what a correct solution prints and plots. The test suite re-runs the same injected
+notebooks under nbval and compares the cells tagged `nbval-check-output` with what is stored.
+"""
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import nbformat
+
+from grading import CHAPTERS, chapter_dir
+from grading.notebook import exercise_cells, inject_reference
+
+
+def chapter_reference(chapter: str) -> dict[str, Any]:
+    """The `REFERENCE` mapping declared by a chapter's test file."""
+    path = chapter_dir(chapter) / f"test_{chapter}.py"
+    spec = importlib.util.spec_from_file_location(f"reference_of_{chapter}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.REFERENCE
+
+
+def injected_notebook(chapter: str) -> nbformat.NotebookNode:
+    nb = nbformat.read(chapter_dir(chapter) / f"{chapter}.ipynb", as_version=4)
+    return inject_reference(nb, chapter_reference(chapter))
+
+
+def execute_and_store(chapter: str, timeout: int = 600) -> float:
+    """Execute the injected notebook, copy its outputs into the shipped one; return the seconds it took."""
+    from nbclient import NotebookClient
+
+    path = chapter_dir(chapter) / f"{chapter}.ipynb"
+    shipped = nbformat.read(path, as_version=4)
+    run = injected_notebook(chapter)
+    start = time.perf_counter()
+    NotebookClient(run, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    seconds = time.perf_counter() - start
+    stubs = {id(c) for c in exercise_cells(shipped)}
+    for cell, executed in zip(shipped.cells, run.cells, strict=True):
+        if cell.cell_type == "code":
+            cell.outputs = [] if id(cell) in stubs else executed.outputs
+            cell.execution_count = None if id(cell) in stubs else executed.execution_count
+    nbformat.write(shipped, path)
+    return seconds
+
+
+def main(argv: list[str]) -> None:
+    chapters = argv or sorted(p.name for p in CHAPTERS.iterdir() if (p / f"{p.name}.ipynb").exists())
+    for chapter in chapters:
+        print(f"{chapter}: executed in {execute_and_store(chapter):.1f} s")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,95 @@
+"""Chapter 3: attention over a paged KV cache, in plain PyTorch.
+
+The cache of each layer is one pool of blocks, laid out (num_blocks, block_size, Hkv, D) as in vLLM and
+FlashAttention. Two operations make it work:
+
+- store: each new token's K/V go to its *slot* (block_table[pos // block_size] * block_size + pos % block_size),
+  given per token by the slot mapping — vLLM's `reshape_and_cache_flash`;
+- attend: for each sequence, gather its blocks through its block table, cut to its length, and run ordinary
+  causal attention — what the Triton kernel of chapter 6 does without materialising the gathered copy.
+
+Every step handles a flat batch: the new tokens of all sequences concatenated, with `query_start_loc`
+saying where each sequence's tokens start, so prefills (many tokens) and decodes (one token) mix freely.
+
+Where this lives in vLLM: `vllm/v1/attention/backends/` (metadata), `vllm/v1/attention/ops/`.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from solutions.attention import causal_attention
+from solutions.config import ModelConfig
+
+
+@dataclass
+class KVCache:
+    """Every layer's paged key and value pools; block b of layer l is `key_caches[l][b]` (block_size, Hkv, D)."""
+
+    key_caches: list[torch.Tensor]
+    value_caches: list[torch.Tensor]
+
+    @classmethod
+    def allocate(cls, config: ModelConfig, num_blocks: int, block_size: int) -> "KVCache":
+        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        # torch.empty: slots are written before they are ever read, so zeroing would be wasted work.
+        return cls(
+            [torch.empty(shape) for _ in range(config.num_hidden_layers)],
+            [torch.empty(shape) for _ in range(config.num_hidden_layers)],
+        )
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.key_caches + self.value_caches)
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's T tokens go and what each of the B sequences attends to (vLLM's names)."""
+
+    slot_mapping: torch.Tensor  # (T,) cache slot of each new token
+    query_start_loc: torch.Tensor  # (B + 1,) sequence b's new tokens are rows query_start_loc[b]:[b + 1]
+    seq_lens: torch.Tensor  # (B,) tokens in the cache for sequence b after this step (context + new)
+    block_tables: list[list[int]]  # (B, blocks) physical block ids of each sequence
+
+
+def write_to_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter k, v (T, Hkv, D) into the paged caches (num_blocks, block_size, Hkv, D) at `slot_mapping` (T,)."""
+    num_kv_heads, head_dim = key_cache.shape[2:]
+    key_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = k  # slot s = row s of the flattened pool
+    value_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v
+
+
+def gather_kv(cache: torch.Tensor, block_table: list[int], seq_len: int) -> torch.Tensor:
+    """One sequence's keys (or values) in position order, (seq_len, Hkv, D), copied out of its blocks."""
+    blocks = cache[torch.tensor(block_table, dtype=torch.long)]  # (num_blocks_of_seq, block_size, Hkv, D)
+    return blocks.flatten(0, 1)[:seq_len]  # (seq_len, Hkv, D)
+
+
+def paged_attention(
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Attention for a flat batch of queries q (T, Hq, D) over each sequence's paged context -> (T, Hq, D)."""
+    out = torch.empty_like(q)
+    starts = metadata.query_start_loc.tolist()
+    for b, block_table in enumerate(metadata.block_tables):
+        rows = slice(starts[b], starts[b + 1])
+        seq_len = int(metadata.seq_lens[b])
+        keys = gather_kv(key_cache, block_table, seq_len)  # (seq_len, Hkv, D)
+        values = gather_kv(value_cache, block_table, seq_len)
+        out[rows] = causal_attention(q[rows], keys, values, scale)  # the new tokens are the last of seq_len
+    return out
+
+
+class PagedAttention:
+    """Backend for one engine step: store the new K/V by slot mapping, then attend through block tables."""
+
+    def __init__(self, kv_cache: KVCache, metadata: AttentionMetadata) -> None:
+        self.kv_cache, self.metadata = kv_cache, metadata
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        key_cache, value_cache = self.kv_cache.key_caches[layer_idx], self.kv_cache.value_caches[layer_idx]
+        write_to_kv_cache(k, v, key_cache, value_cache, self.metadata.slot_mapping)
+        return paged_attention(q, key_cache, value_cache, self.metadata, scale=q.shape[-1] ** -0.5)
