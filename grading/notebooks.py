@@ -20,6 +20,12 @@ from grading import CHAPTERS, chapter_dir
 from grading.notebook import exercise_cells, inject_reference
 
 
+_NOTEBOOK_METADATA = {
+    "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+    "language_info": {"name": "python", "pygments_lexer": "ipython3"},
+}
+
+
 def chapter_reference(chapter: str) -> dict[str, Any]:
     """The `REFERENCE` mapping declared by a chapter's test file."""
     path = chapter_dir(chapter) / f"test_{chapter}.py"
@@ -44,8 +50,10 @@ def execute_and_store(chapter: str, timeout: int = 600) -> float:
     start = time.perf_counter()
     NotebookClient(run, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
     seconds = time.perf_counter() - start
+    shipped.metadata = nbformat.from_dict(_NOTEBOOK_METADATA)  # drop authoring-tool metadata
     stubs = {id(c) for c in exercise_cells(shipped)}
     for cell, executed in zip(shipped.cells, run.cells, strict=True):
+        cell.metadata = nbformat.from_dict({k: v for k, v in cell.metadata.items() if k == "tags"})
         if cell.cell_type == "code":
             cell.outputs = [] if id(cell) in stubs else executed.outputs
             cell.execution_count = None if id(cell) in stubs else executed.execution_count

@@ -28,7 +28,7 @@ def main() -> None:
     llm = LLM(model=args.model, block_size=args.block_size)
     loaded = time.perf_counter()
     prompts = args.prompts
-    if not args.raw and llm.tokenizer.chat_template:
+    if not args.raw and llm.tokenizer is not None and llm.tokenizer.chat_template:
         prompts = [
             llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
             for p in prompts

@@ -57,7 +57,7 @@ class LLMEngine:
     def __init__(
         self,
         model: LlamaForCausalLM,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: PreTrainedTokenizerBase | None,
         *,
         block_size: int,
         num_kv_blocks: int,
@@ -90,6 +90,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt must be a list of token ids: this model folder has no tokenizer")
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             text, token_ids = None, list(prompt)
@@ -110,6 +112,8 @@ class LLMEngine:
                 f"request {request_id!r} could need {self._blocks_needed(len(token_ids), params)} KV blocks, more "
                 f"than num_kv_blocks={self.block_manager.num_blocks}; lower max_tokens or raise num_kv_blocks"
             )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("SamplingParams.stop needs a tokenizer, and this model folder has none; use stop_token_ids")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an int (lower runs first), got {priority!r}")
         seqs, generators = [], []
@@ -199,7 +203,8 @@ class LLMEngine:
         """Output processor: detokenise, then apply stop conditions in vLLM's order."""
         token_id = seq.last_token_id
         completion.token_ids = seq.output_token_ids
-        completion.text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        if self.tokenizer is not None:
+            completion.text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         if token_id in params.stop_token_ids:
             completion.finish_reason, completion.stop_reason = FinishReason.STOP, token_id
         elif token_id == self.model.config.eos_token_id and not params.ignore_eos:

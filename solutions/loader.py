@@ -101,5 +101,9 @@ def load_model(model: str = DEFAULT_MODEL) -> LlamaForCausalLM:
     return llm.eval()
 
 
-def load_tokenizer(model: str = DEFAULT_MODEL) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(resolve_model(model))
+def load_tokenizer(model: str = DEFAULT_MODEL) -> PreTrainedTokenizerBase | None:
+    """The checkpoint's tokenizer, or None for a folder without one (then prompts must be token ids)."""
+    folder = resolve_model(model)
+    if not any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    return AutoTokenizer.from_pretrained(folder)

@@ -1,0 +1,103 @@
+"""The grading tests can fail: shipped stubs fail every test, mutants fail their exercise, signatures match.
+
+(That the reference passes every chapter test is the main test command itself: `pytest --impl=reference`.)
+"""
+
+import inspect
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from grading import CHAPTERS
+from grading.impl import ROOT, load_mutants
+from grading.notebook import exercise_cells, load_exercises
+from grading.notebooks import chapter_reference
+
+CHAPTER_NAMES = sorted(p.name for p in CHAPTERS.iterdir() if (p / f"{p.name}.ipynb").exists())
+
+
+def run_chapter(chapter: str, *options: str, tmp_path: Path) -> dict[str, tuple[str, str]]:
+    """Run a chapter's tests in a subprocess; test id -> (outcome, failure message)."""
+    report = tmp_path / f"{chapter}-{len(list(tmp_path.iterdir()))}.xml"
+    cmd = [sys.executable, "-m", "pytest", str(CHAPTERS / chapter), "-q", f"--junitxml={report}", *options]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert report.exists(), f"pytest crashed instead of reporting:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    results = {}
+    for case in ET.parse(report).iter("testcase"):
+        problem = case.find("failure") if case.find("failure") is not None else case.find("error")
+        skipped = case.find("skipped")
+        outcome = "failed" if problem is not None else "skipped" if skipped is not None else "passed"
+        message = (problem.get("message", "") + (problem.text or "")) if problem is not None else ""
+        results[f"{case.get('classname')}::{case.get('name')}"] = (outcome, message)
+    return results
+
+
+def is_stub(source: str) -> bool:
+    return "NotImplementedError" in source
+
+
+@pytest.mark.parametrize("chapter", CHAPTER_NAMES)
+def test_shipped_stubs_fail_every_test(chapter, tmp_path):
+    nb = nbformat.read(CHAPTERS / chapter / f"{chapter}.ipynb", as_version=4)
+    edited = [c.source.splitlines()[0] for c in exercise_cells(nb) if not is_stub(c.source)]
+    assert not edited, f"{chapter}'s notebook has filled-in exercise cells {edited}; this test checks the shipped stubs"
+    results = run_chapter(chapter, tmp_path=tmp_path)
+    assert results, f"no tests ran for {chapter}"
+    passed = [t for t, (outcome, _) in results.items() if outcome != "failed"]
+    assert not passed, f"these tests do not fail on the shipped stubs: {passed}"
+    unexplained = [t for t, (_, message) in results.items() if "not implemented" not in message]
+    assert not unexplained, f"these tests fail on stubs without saying the exercise is not implemented: {unexplained}"
+
+
+MUTANT_CASES = [(chapter, name) for chapter in CHAPTER_NAMES for name in load_mutants(chapter)]
+
+
+@pytest.mark.parametrize("chapter,mutant", MUTANT_CASES)
+def test_mutant_fails_its_exercise(chapter, mutant, tmp_path):
+    (exercise,) = load_mutants(chapter)[mutant]
+    results = run_chapter(chapter, f"--impl=mutant:{mutant}", f"--exercise={exercise}", tmp_path=tmp_path)
+    assert results, f"no tests of exercise {exercise} ran"
+    assert any(outcome == "failed" for outcome, _ in results.values()), f"mutant {mutant} passes every test of {exercise}"
+
+
+@pytest.mark.parametrize("chapter", CHAPTER_NAMES)
+def test_every_chapter_has_at_least_two_mutants(chapter):
+    assert len(load_mutants(chapter)) >= 2
+
+
+def normalized_signature(obj: object) -> str:
+    """The signature with module paths stripped from annotations (stub and reference import them differently)."""
+    return re.sub(r"\b(?:[A-Za-z_]\w*\.)+([A-Za-z_]\w*)", r"\1", str(inspect.signature(obj)))
+
+
+def public_methods(cls: type) -> dict[str, object]:
+    return {name: fn for name, fn in vars(cls).items() if inspect.isfunction(fn) and not name.startswith("_") or name == "__init__"}
+
+
+@pytest.mark.parametrize("chapter", CHAPTER_NAMES)
+def test_stub_signatures_equal_the_reference(chapter):
+    reference = chapter_reference(chapter)
+    loaded = load_exercises(CHAPTERS / chapter / f"{chapter}.ipynb")
+    assert not loaded.errors, loaded.errors
+    for name, ref in reference.items():
+        stub = getattr(loaded.module, name, None)
+        assert stub is not None, f"the notebook has no exercise cell defining {name}"
+        if inspect.isclass(ref):
+            ref_methods, stub_methods = public_methods(ref), public_methods(stub)
+            assert sorted(stub_methods) == sorted(ref_methods), f"{name}: methods differ"
+            for method, fn in ref_methods.items():
+                assert normalized_signature(stub_methods[method]) == normalized_signature(fn), f"{name}.{method}"
+        else:
+            assert normalized_signature(stub) == normalized_signature(ref), name
+
+
+@pytest.mark.parametrize("chapter", CHAPTER_NAMES)
+def test_every_exercise_is_graded(chapter):
+    source = (CHAPTERS / chapter / f"test_{chapter}.py").read_text()
+    for name in chapter_reference(chapter):
+        assert f'exercise("{name}")' in source, f"no test is marked @pytest.mark.exercise({name!r})"

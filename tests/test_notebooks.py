@@ -1,0 +1,44 @@
+"""Every chapter notebook runs top to bottom under nbval with the reference in place of its exercise cells,
+every `check()` passes, and the cells tagged `nbval-check-output` reproduce their stored outputs."""
+
+import subprocess
+import sys
+import time
+
+import nbformat
+import pytest
+
+from grading import CHAPTERS
+from grading.notebook import EXERCISE_TAG
+from grading.notebooks import injected_notebook
+
+CHAPTER_NAMES = sorted(p.name for p in CHAPTERS.iterdir() if (p / f"{p.name}.ipynb").exists())
+
+
+@pytest.mark.parametrize("chapter", CHAPTER_NAMES)
+def test_notebook_runs_under_nbval_with_the_reference(chapter, tmp_path):
+    notebook = tmp_path / f"{chapter}.ipynb"
+    nbformat.write(injected_notebook(chapter), notebook)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")  # keep the repository's options out of this run
+    cmd = [sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env", "--nbval-cell-timeout=300",
+           "-p", "no:cacheprovider", "-q", str(notebook)]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    seconds = time.perf_counter() - start
+    print(f"{chapter}: nbval in {seconds:.1f} s")
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("chapter", CHAPTER_NAMES)
+def test_shipped_notebook_stores_the_outputs_of_a_reference_run(chapter):
+    nb = nbformat.read(CHAPTERS / chapter / f"{chapter}.ipynb", as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    exercises = [c for c in code if EXERCISE_TAG in c.metadata.get("tags", [])]
+    assert exercises, "a chapter has exercises"
+    assert all(not c.outputs and c.execution_count is None for c in exercises), "exercise cells ship as bare stubs"
+    unexecuted = [c.source.splitlines()[0] for c in code if c not in exercises and c.execution_count is None]
+    assert not unexecuted, f"cells without stored outputs (run `python -m grading.notebooks {chapter}`): {unexecuted}"
+    errors = [o for c in code for o in c.outputs if o.output_type == "error"]
+    assert not errors, f"stored outputs contain errors: {[e.ename for e in errors]}"
+    assert any(o.get("data", {}).get("image/png") for c in code for o in c.outputs), "a chapter shows a plot"
+    assert any("nbval-check-output" in c.metadata.get("tags", []) for c in code), "some outputs are checked by nbval"
