@@ -46,6 +46,7 @@ tokens prefilled again; chapter 5's scheduler meets the same situation with a mo
 import argparse
 import json
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from benchmarks.workload import MAX_MODEL_LEN, Request, describe, sharegpt_like_requests
@@ -161,9 +162,17 @@ def simulate_contiguous(
 
 
 def simulate_paged(
-    requests: list[Request], block_size: int, num_slots: int = NUM_SLOTS, max_num_seqs: int = MAX_NUM_SEQS
+    requests: list[Request],
+    block_size: int,
+    num_slots: int = NUM_SLOTS,
+    max_num_seqs: int = MAX_NUM_SEQS,
+    on_step: Callable[[BlockManager, list[Sequence]], None] | None = None,
 ) -> SimResult:
-    """Serve `requests` with a `BlockManager` of `num_slots // block_size` blocks."""
+    """Serve `requests` with a `BlockManager` of `num_slots // block_size` blocks.
+
+    `on_step(manager, running)`, if given, sees the allocator after each step's allocations, before the
+    step's tokens are appended (chapter 3 draws its picture of who owns which block from it).
+    """
     manager = BlockManager(num_blocks=num_slots // block_size, block_size=block_size)
     result = SimResult(f"PAGED_{block_size}", manager.num_blocks * block_size)
     waiting = deque(Sequence(r.request_id, [0] * r.prompt_len) for r in requests)
@@ -194,6 +203,8 @@ def simulate_paged(
             seq.status = SequenceStatus.RUNNING
             running.append(seq)
         result.record(running, manager.num_used_blocks * block_size, len(waiting))
+        if on_step is not None:
+            on_step(manager, running)
         for seq in running:
             seq.append_token(0)
             if seq.num_output_tokens == output_len[seq.seq_id]:

@@ -8,7 +8,7 @@ from solutions import loader
 from solutions.config import ModelConfig
 from solutions.loader import load_model, load_tokenizer, resolve_model
 from solutions.naive import NaiveAttention, forward, generate_naive
-from tests.greedy import assert_greedy_close
+from grading.parity import assert_greedy_close
 
 
 def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
