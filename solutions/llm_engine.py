@@ -9,6 +9,7 @@ Where this lives in vLLM: `vllm/v1/engine/llm_engine.py` (`add_request`, `step`)
 (`vllm/v1/engine/processor.py`) and output processor (`vllm/v1/engine/output_processor.py`).
 """
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -76,7 +77,7 @@ class LLMEngine:
         self.running: list[Sequence] = []
         self.requests: dict[str, Request] = {}
         self._owner: dict[int, tuple[Request, int]] = {}  # seq_id -> (its request, its sample index)
-        self._next_seq_id = 0
+        self._seq_ids = itertools.count()
         self.stats = EngineStats()
 
     # --- processor: validate and tokenise, before anything is queued --------------------------------------
@@ -118,8 +119,10 @@ class LLMEngine:
             raise ValueError(f"priority must be an int (lower runs first), got {priority!r}")
         seqs, generators = [], []
         for index in range(params.n):
-            seqs.append(Sequence(self._next_seq_id + index, token_ids))
-            seed = self.seed * 1_000_003 + self._next_seq_id + index if params.seed is None else params.seed + index
+            seq_id = next(self._seq_ids)
+            seqs.append(Sequence(seq_id, token_ids))
+            # Unseeded requests draw from the engine's seed; a seeded request's i-th sample uses seed + i (as vLLM).
+            seed = self.seed * 1_000_003 + seq_id if params.seed is None else params.seed + index
             generators.append(torch.Generator().manual_seed(seed))
         completions = [CompletionOutput(i, "", [], None) for i in range(params.n)]
         return Request(request_id, text, token_ids, params, priority, seqs, generators, completions)
@@ -129,7 +132,6 @@ class LLMEngine:
         self.requests[request.request_id] = request
         for index, seq in enumerate(request.seqs):
             self._owner[seq.seq_id] = (request, index)
-        self._next_seq_id += len(request.seqs)
         ordered = sorted([*self.waiting, *request.seqs], key=lambda s: (self._owner[s.seq_id][0].priority, s.seq_id))
         self.waiting = deque(ordered)
 
