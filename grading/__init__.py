@@ -11,13 +11,18 @@ In a terminal: `pytest chapters/01_naive_attention` grades the saved notebook (s
 """
 
 import inspect
+import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from grading.checks import expect_close, expect_equal
 from grading.impl import ROOT, ExerciseError
 
 CHAPTERS = ROOT / "chapters"
+
+# Notebooks run without a widget library: tqdm's text bars are fine, its warning about it is noise.
+warnings.filterwarnings("ignore", message="IProgress not found")
 
 __all__ = ["CHAPTERS", "ExerciseError", "checker", "chapter_dir", "expect_close", "expect_equal"]
 
@@ -30,6 +35,28 @@ def chapter_dir(chapter: str) -> Path:
     return path
 
 
+class _Collector:
+    """A pytest plugin that keeps each test's outcome, for a compact report in the notebook."""
+
+    def __init__(self) -> None:
+        self.results: list[tuple[str, str, str]] = []  # (test name, outcome, failure text)
+
+    def pytest_runtest_logreport(self, report: Any) -> None:
+        if report.when == "call" or report.failed:
+            name = report.nodeid.split("::")[-1]
+            self.results.append((name, report.outcome, report.longreprtext if report.failed else ""))
+
+    def pytest_collectreport(self, report: Any) -> None:
+        if report.failed:
+            self.results.append((report.nodeid, "failed", report.longreprtext))
+
+
+def _short(failure: str) -> str:
+    """The assertion message of a failure, without the traceback above it."""
+    lines = [line[1:].strip() for line in failure.splitlines() if line.startswith("E ")]
+    return "\n".join(lines).strip() or failure.strip().splitlines()[-1]
+
+
 def checker(chapter: str) -> Callable[[str | None], None]:
     """A `check(exercise=None)` bound to one chapter, grading the caller's live globals."""
     test_file = chapter_dir(chapter) / f"test_{chapter}.py"
@@ -40,16 +67,20 @@ def checker(chapter: str) -> Callable[[str | None], None]:
         from grading import plugin
 
         plugin.LIVE_NAMESPACE = inspect.currentframe().f_back.f_globals  # the notebook's namespace
-        args = [str(test_file), "--impl=live", "-q", "--tb=short", "--no-header", f"--rootdir={ROOT}"]
+        collector = _Collector()
+        args = [str(test_file), "--impl=live", f"--rootdir={ROOT}", "-p", "no:terminal", "-p", "no:warnings"]
         if exercise is not None:
             args.append(f"--exercise={exercise}")
         try:
-            code = pytest.main(args)
+            code = pytest.main(args, plugins=[collector])
         finally:
             plugin.LIVE_NAMESPACE = None
-        if code != 0:
-            what = f"exercise {exercise!r}" if exercise else f"chapter {chapter}"
-            raise ExerciseError(f"{what}: some tests failed (details above)") from None
-        print(f"All tests passed for {exercise or chapter}.")
+        what = f"exercise {exercise!r}" if exercise else f"chapter {chapter}"
+        failed = [(name, text) for name, outcome, text in collector.results if outcome != "passed"]
+        for name, text in failed:
+            print(f"FAILED {name}\n    " + _short(text).replace("\n", "\n    "))
+        if code != 0 or failed or not collector.results:
+            raise ExerciseError(f"{what}: {len(failed)} of {len(collector.results)} tests failed") from None
+        print(f"{what}: all {len(collector.results)} tests passed")
 
     return check

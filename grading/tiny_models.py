@@ -82,5 +82,7 @@ def tiny_model(name: str, seed: int = 0) -> LlamaForCausalLM:
 def hf_model(folder: Path) -> torch.nn.Module:
     """The Hugging Face implementation of the same checkpoint: the oracle our forward is held to."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
 
+    logging.disable_progress_bar()  # a bar per load is noise in tests and notebooks
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
