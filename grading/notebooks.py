@@ -11,14 +11,12 @@ notebooks under nbval and compares the cells tagged `nbval-check-output` with wh
 import importlib.util
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import nbformat
 
 from grading import CHAPTERS, chapter_dir
 from grading.notebook import exercise_cells, inject_reference
-
 
 _NOTEBOOK_METADATA = {
     "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
+from grading.parity import assert_greedy_close
 from grading.tiny_models import TINY_CONFIGS, hf_model, tiny_checkpoint, tiny_model
 from solutions import loader
 from solutions.config import ModelConfig
 from solutions.loader import load_model, load_tokenizer, resolve_model
 from solutions.naive import NaiveAttention, forward, generate_naive
-from grading.parity import assert_greedy_close
 
 
 def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
