@@ -295,16 +295,20 @@ def table(requests: list[Request], results: dict[str, SimResult], block_size: in
     first, last = paged.window
     lines = [
         describe(requests),
-        f"KV budget {num_slots} token slots; FCFS, all requests queued at step 0; measured over the saturated "
-        f"steps after a {WARMUP_FRACTION:.0%} warm-up (paged at block {block_size}: steps {first}–{last})",
+        (
+            f"KV budget {num_slots} token slots; FCFS, all requests queued at step 0; measured over the saturated "
+            f"steps after a {WARMUP_FRACTION:.0%} warm-up (paged at block {block_size}: steps {first}–{last})"
+        ),
         "",
         "util: tokens stored / slots reserved (contiguous) or allocated (paged); expected: the same without",
         "external fragmentation (for paged, the limit); of pool: tokens stored / all slots; paper: Fig. 2's token",
         "share of all KV memory; w/o ext.: Fig. 2 without its 'external fragmentation & others', comparable to util;",
         "preempted / recomputed: preemptions by recompute and the tokens they prefill again.",
         "",
-        f"{'policy':<20}{'util':>7}{'expected':>10}{'paper':>7}{'w/o ext.':>10}{'of pool':>9}"
-        f"{'mean held':>11}{'peak held':>11}{'preempted':>11}{'recomputed':>12}",
+        (
+            f"{'policy':<20}{'util':>7}{'expected':>10}{'paper':>7}{'w/o ext.':>10}{'of pool':>9}"
+            f"{'mean held':>11}{'peak held':>11}{'preempted':>11}{'recomputed':>12}"
+        ),
     ]
     policies: dict[str, ReservationPolicy | int] = {**CONTIGUOUS_POLICIES, "paged": block_size}
     for name, policy in policies.items():
@@ -318,8 +322,10 @@ def table(requests: list[Request], results: dict[str, SimResult], block_size: in
         )
     lines += [
         "",
-        f"{'paged, block size':<20}{'util':>7}{'limit':>10}{'of pool':>9}{'mean held':>11}{'peak held':>11}"
-        f"{'preempted':>11}{'recomputed':>12}",
+        (
+            f"{'paged, block size':<20}{'util':>7}{'limit':>10}{'of pool':>9}{'mean held':>11}{'peak held':>11}"
+            f"{'preempted':>11}{'recomputed':>12}"
+        ),
     ]
     for size in BLOCK_SIZES:
         result = results[f"paged_{size}"]
