@@ -43,10 +43,20 @@ class Implementation:
         if name not in self._objects:
             raise ExerciseError(f"exercise `{name}` is not defined in the {self.kind} implementation")
         obj = self._objects[name]
-        return _reported(name, obj) if inspect.isfunction(obj) else obj
+        if inspect.isfunction(obj):
+            return _reported(name, obj)
+        if inspect.isclass(obj):
+            return _reported_class(name, obj)
+        return obj
 
 
 def _reported(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, with its failures attributed to exercise `name`.
+
+    A stub's NotImplementedError becomes an ExerciseError saying so. Any other exception keeps its type (a
+    test may expect a ValueError) and gains a note naming the exercise and the input it failed on.
+    """
+
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -55,11 +65,24 @@ def _reported(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             raise ExerciseError(f"exercise `{name}` is not implemented yet ({error or 'see its hint'})") from None
         except AssertionError:
             raise
-        except Exception as error:  # the learner's bug: say where, and on what
-            inputs = ", ".join([describe(a) for a in args] + [f"{k}={describe(v)}" for k, v in kwargs.items()])
-            raise ExerciseError(f"exercise `{name}` raised {type(error).__name__}: {error}\n  on input: ({inputs})") from error
+        except Exception as error:
+            if not getattr(error, "_attributed", False):
+                inputs = ", ".join([describe(a) for a in args] + [f"{k}={describe(v)}" for k, v in kwargs.items()])
+                error.add_note(f"exercise `{name}` raised {type(error).__name__}\n  on input: ({inputs})")
+                error._attributed = True  # nested exercise calls add no second note
+            raise
 
     return call
+
+
+def _reported_class(name: str, cls: type) -> type:
+    """A subclass of `cls` whose own methods report failures like `_reported` (instances stay `cls` instances)."""
+    methods = {
+        attr: _reported(f"{name}.{attr}", fn)
+        for attr, fn in vars(cls).items()
+        if inspect.isfunction(fn) and (not attr.startswith("_") or attr == "__init__")
+    }
+    return type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__, **methods})
 
 
 def load_mutants(chapter: str) -> dict[str, dict[str, Any]]:
