@@ -14,10 +14,10 @@ import inspect
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from grading.checks import expect_close, expect_equal
 from grading.impl import ROOT, ExerciseError
+from grading.plugin import ResultCollector
 
 CHAPTERS = ROOT / "chapters"
 
@@ -33,22 +33,6 @@ def chapter_dir(chapter: str) -> Path:
         known = sorted(p.name for p in CHAPTERS.iterdir() if p.is_dir() and p.name[:2].isdigit())
         raise ValueError(f"chapter {chapter!r} not found; chapters: {', '.join(known)}")
     return path
-
-
-class _Collector:
-    """A pytest plugin that keeps each test's outcome, for a compact report in the notebook."""
-
-    def __init__(self) -> None:
-        self.results: list[tuple[str, str, str]] = []  # (test name, outcome, failure text)
-
-    def pytest_runtest_logreport(self, report: Any) -> None:
-        if report.when == "call" or report.failed:
-            name = report.nodeid.split("::")[-1]
-            self.results.append((name, report.outcome, report.longreprtext if report.failed else ""))
-
-    def pytest_collectreport(self, report: Any) -> None:
-        if report.failed:
-            self.results.append((report.nodeid, "failed", report.longreprtext))
 
 
 def _short(failure: str) -> str:
@@ -67,7 +51,7 @@ def checker(chapter: str) -> Callable[[str | None], None]:
         from grading import plugin
 
         plugin.LIVE_NAMESPACE = inspect.currentframe().f_back.f_globals  # the notebook's namespace
-        collector = _Collector()
+        collector = ResultCollector()
         args = [str(test_file), "--impl=live", f"--rootdir={ROOT}", "-p", "no:terminal", "-p", "no:warnings"]
         if exercise is not None:
             args.append(f"--exercise={exercise}")

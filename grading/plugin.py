@@ -102,3 +102,20 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     for exercise, (passed, failed) in results.items():
         mark = "PASS" if failed == 0 else "FAIL"
         terminalreporter.write_line(f"  {mark}  {exercise:<28} {passed} passed, {failed} failed")
+
+
+class ResultCollector:
+    """A plugin object for `pytest.main(plugins=[...])` that keeps each test's outcome, for callers that
+    report results themselves (`check()` in a notebook, `python -m grading.mutation`)."""
+
+    def __init__(self) -> None:
+        self.results: list[tuple[str, str, str]] = []  # (test name, outcome, failure text)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "call" or report.failed:
+            name = report.nodeid.split("::")[-1]
+            self.results.append((name, report.outcome, report.longreprtext if report.failed else ""))
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        if report.failed:
+            self.results.append((report.nodeid, "failed", report.longreprtext))
