@@ -50,9 +50,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from benchmarks.workload import MAX_MODEL_LEN, Request, describe, sharegpt_like_requests
-from solutions.block_manager import BlockManager
-from solutions.contiguous_allocator import ContiguousAllocator, ReservationPolicy, reserved_length
-from solutions.sequence import Sequence, SequenceStatus
+from solutions.core.block_manager import BlockManager
+from solutions.baselines.contiguous_allocator import ContiguousAllocator, ReservationPolicy, reserved_length
+from solutions.core.sequence import Sequence, SequenceStatus
 
 NUM_REQUESTS = 1000
 NUM_SLOTS = 16 * MAX_MODEL_LEN  # KV budget: 32768 token slots, 16 max-length requests (paper, OPT-13B: 15.7K)

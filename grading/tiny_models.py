@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from solutions.loader import cache_dir, load_model
-from solutions.model import LlamaForCausalLM
+from solutions.model.loader import cache_dir, load_model
+from solutions.model.llama import LlamaForCausalLM
 
 _BASE: dict[str, Any] = dict(
     vocab_size=256,

@@ -7,9 +7,9 @@
 
 from collections.abc import Sequence as Seq
 
-from solutions.block_manager import cdiv
-from solutions.llm_engine import LLMEngine
-from solutions.loader import DEFAULT_MODEL, load_model, load_tokenizer
+from solutions.core.block_manager import cdiv
+from solutions.engine.llm_engine import LLMEngine
+from solutions.model.loader import DEFAULT_MODEL, load_model, load_tokenizer
 from solutions.outputs import RequestOutput
 from solutions.sampling_params import SamplingParams
 

@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from solutions.contiguous_allocator import ContiguousAllocator, ReservationPolicy, Segment, reserved_length
+from solutions.baselines.contiguous_allocator import ContiguousAllocator, ReservationPolicy, Segment, reserved_length
 
 # reservation policies ------------------------------------------------------------------------------------------
 

@@ -13,8 +13,8 @@ import torch
 from grading.parity import assert_greedy_close
 from grading.tiny_models import TINY_CONFIGS, hf_model, tiny_checkpoint
 from solutions import LLM, FinishReason, SamplingParams
-from solutions.loader import resolve_model
-from solutions.sampler import filter_top_k_top_p
+from solutions.model.loader import resolve_model
+from solutions.sample.sampler import filter_top_k_top_p
 
 GREEDY_64 = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 

@@ -5,10 +5,10 @@ import torch
 
 from grading.parity import assert_greedy_close
 from grading.tiny_models import TINY_CONFIGS, hf_model, tiny_checkpoint, tiny_model
-from solutions import loader
-from solutions.config import ModelConfig
-from solutions.loader import load_model, load_tokenizer, resolve_model
-from solutions.naive import NaiveAttention, forward, generate_naive
+from solutions.model import loader
+from solutions.model.config import ModelConfig
+from solutions.model.loader import load_model, load_tokenizer, resolve_model
+from solutions.baselines.naive import NaiveAttention, forward, generate_naive
 
 
 def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:

@@ -11,7 +11,9 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 
 from grading import expect_close, expect_equal
 from grading.tiny_models import hf_model, tiny_checkpoint, tiny_model
-from solutions import attention, layers, naive
+from solutions.attention import causal as attention
+from solutions.baselines import naive
+from solutions.model import layers
 
 REFERENCE = {
     "rms_norm": layers.rms_norm,

@@ -1,6 +1,6 @@
 """Grading tests for chapter 02 — the contiguous KV cache.
 
-The oracle is chapter 1's dense forward (`solutions.naive.forward`), which recomputes everything: prefill
+The oracle is chapter 1's dense forward (`solutions.baselines.naive.forward`), which recomputes everything: prefill
 must reproduce its last row, each decode step its last row over the longer sequence, and generation its
 tokens (and Hugging Face's). `prefill` and `decode_step` are graded with the reference `ContiguousKVCache`,
 so a bug in your cache is reported against the cache alone; `generate_with_cache` uses all of your code.
@@ -15,9 +15,9 @@ import torch
 from grading import expect_close, expect_equal
 from grading.impl import describe
 from grading.tiny_models import hf_model, tiny_checkpoint, tiny_model
-from solutions import contiguous_cache, naive
-from solutions.contiguous_cache import ContiguousKVCache
-from solutions.model import LlamaForCausalLM
+from solutions.baselines import contiguous_cache, naive
+from solutions.baselines.contiguous_cache import ContiguousKVCache
+from solutions.model.llama import LlamaForCausalLM
 
 REFERENCE = {
     "ContiguousKVCache": contiguous_cache.ContiguousKVCache,

@@ -17,10 +17,12 @@ import torch.nn.functional as F
 
 from grading import ExerciseError, expect_close, expect_equal
 from grading.tiny_models import hf_model, tiny_checkpoint, tiny_model
-from solutions import block_manager, block_pool, naive, paged_attention, paged_generation
-from solutions.block_pool import KVCacheBlock
-from solutions.paged_attention import AttentionMetadata
-from solutions.sequence import Sequence
+from solutions.attention import paged as paged_attention
+from solutions.baselines import naive, paged_generation
+from solutions.core import block_manager, block_pool
+from solutions.core.block_pool import KVCacheBlock
+from solutions.attention.paged import AttentionMetadata
+from solutions.core.sequence import Sequence
 
 REFERENCE = {
     "FreeKVCacheBlockQueue": block_pool.FreeKVCacheBlockQueue,

@@ -2,8 +2,9 @@
 
 import torch
 
-from solutions import layers, naive
-from solutions.attention import causal_attention
+from solutions.baselines import naive
+from solutions.model import layers
+from solutions.attention.causal import causal_attention
 
 
 def rms_norm_without_eps(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -2,9 +2,9 @@
 
 import torch
 
-from solutions import contiguous_cache
-from solutions.contiguous_cache import ContiguousAttention, ContiguousKVCache, decode_step, prefill
-from solutions.model import LlamaForCausalLM
+from solutions.baselines import contiguous_cache
+from solutions.baselines.contiguous_cache import ContiguousAttention, ContiguousKVCache, decode_step, prefill
+from solutions.model.llama import LlamaForCausalLM
 
 
 class CacheWriteIgnoresPositions(ContiguousKVCache):

@@ -5,14 +5,14 @@ Class exercises are mutated by subclassing the reference and overriding the one 
 
 import torch
 
-from solutions.attention import causal_attention
-from solutions.block_manager import BlockManager, cdiv
-from solutions.block_pool import FreeKVCacheBlockQueue, KVCacheBlock
-from solutions.model import LlamaForCausalLM
-from solutions.model_runner import ModelRunner
-from solutions.paged_attention import AttentionMetadata, gather_kv
-from solutions.paged_generation import generate_paged
-from solutions.sequence import Sequence
+from solutions.attention.causal import causal_attention
+from solutions.core.block_manager import BlockManager, cdiv
+from solutions.core.block_pool import FreeKVCacheBlockQueue, KVCacheBlock
+from solutions.model.llama import LlamaForCausalLM
+from solutions.worker.model_runner import ModelRunner
+from solutions.attention.paged import AttentionMetadata, gather_kv
+from solutions.baselines.paged_generation import generate_paged
+from solutions.core.sequence import Sequence
 
 # --- FreeKVCacheBlockQueue ----------------------------------------------------------------------------------------
 

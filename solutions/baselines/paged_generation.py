@@ -6,10 +6,10 @@ again in one pass. The block manager hands out a block only when a sequence's ne
 
 import torch
 
-from solutions.block_manager import BlockManager, cdiv
-from solutions.model import LlamaForCausalLM
-from solutions.model_runner import ModelRunner
-from solutions.sequence import Sequence, SequenceStatus
+from solutions.core.block_manager import BlockManager, cdiv
+from solutions.model.llama import LlamaForCausalLM
+from solutions.worker.model_runner import ModelRunner
+from solutions.core.sequence import Sequence, SequenceStatus
 
 
 def generate_paged(

@@ -16,8 +16,8 @@ Where this lives in vLLM: `vllm/v1/core/kv_cache_manager.py` (`KVCacheManager.al
 of our allocation verbs and returns None where we answer False) and `vllm/v1/core/block_pool.py`.
 """
 
-from solutions.block_pool import BlockPool
-from solutions.sequence import Sequence
+from solutions.core.block_pool import BlockPool
+from solutions.core.sequence import Sequence
 
 
 def cdiv(a: int, b: int) -> int:

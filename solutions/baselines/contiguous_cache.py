@@ -10,8 +10,8 @@ style); Hugging Face's `DynamicCache`/`StaticCache` are the same idea.
 
 import torch
 
-from solutions.attention import causal_attention
-from solutions.model import LlamaForCausalLM
+from solutions.attention.causal import causal_attention
+from solutions.model.llama import LlamaForCausalLM
 
 
 class ContiguousKVCache:

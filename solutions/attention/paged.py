@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from solutions.attention import causal_attention
-from solutions.config import ModelConfig
+from solutions.attention.causal import causal_attention
+from solutions.model.config import ModelConfig
 
 
 @dataclass

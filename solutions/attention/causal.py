@@ -6,7 +6,7 @@ gathered through a block table); once they hold a sequence's K/V they all call `
 
 import torch
 
-from solutions.layers import repeat_kv
+from solutions.model.layers import repeat_kv
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

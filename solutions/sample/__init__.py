@@ -1,0 +1,1 @@
+"""Sampling: from each sequence's logits to its next token."""
