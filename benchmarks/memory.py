@@ -189,7 +189,7 @@ def simulate_paged(
                 continue
             victim = running.pop()  # may be `seq` itself, which ends the loop
             manager.free(victim)
-            victim.status, victim.num_computed_tokens = SequenceStatus.WAITING, 0
+            victim.status, victim.num_computed_tokens = SequenceStatus.PREEMPTED, 0
             waiting.appendleft(victim)
             num_preempted += 1
             result.num_recomputed_tokens += victim.num_tokens
@@ -209,7 +209,7 @@ def simulate_paged(
             seq.append_token(0)
             if seq.num_output_tokens == output_len[seq.seq_id]:
                 manager.free(seq)
-                seq.status = SequenceStatus.FINISHED
+                seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
         running = [seq for seq in running if seq.status is SequenceStatus.RUNNING]
     return result
 

@@ -14,6 +14,7 @@ saying where each sequence's tokens start, so prefills (many tokens) and decodes
 Where this lives in vLLM: `vllm/v1/attention/backends/` (metadata), `vllm/v1/attention/ops/`.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,14 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # (B + 1,) sequence b's new tokens are rows query_start_loc[b]:[b + 1]
     seq_lens: torch.Tensor  # (B,) tokens in the cache for sequence b after this step (context + new)
     block_tables: list[list[int]]  # (B, blocks) physical block ids of each sequence
+
+    @functools.cached_property
+    def block_table_tensor(self) -> torch.Tensor:
+        """The block tables as one (B, max_blocks) int32 tensor, rows padded with block 0 (a real block that is
+        never read past `seq_lens[b]`), as kernels take them. Built once per step, on first use."""
+        width = max((len(table) for table in self.block_tables), default=0)
+        rows = [table + [0] * (width - len(table)) for table in self.block_tables]
+        return torch.tensor(rows, dtype=torch.int32).reshape(len(rows), width)  # (B, max_blocks)
 
 
 def write_to_kv_cache(

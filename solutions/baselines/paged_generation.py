@@ -29,6 +29,6 @@ def generate_paged(
             seq.append_token(token_id)
             block_manager.append_slot(seq)  # room for the new token's K/V, written by the next step
     for seq in seqs:
-        seq.status = SequenceStatus.FINISHED
+        seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED  # exactly max_new_tokens each
         block_manager.free(seq)
     return [seq.output_token_ids for seq in seqs]

@@ -1,22 +1,31 @@
-"""One request's token stream and its place in the KV cache.
+"""One token stream and its place in the KV cache: the unit the scheduler schedules.
 
-A `Sequence` is what the scheduler and the block manager pass around: the prompt followed by every token
-generated so far, the lifecycle status, and the block table that says where its keys and values live.
+A `Sequence` is the prompt followed by every token generated so far, its lifecycle status, how many of its
+tokens already have K/V in the cache, and the block table saying where those K/V live. A request with
+`n > 1` samples (or a beam search) owns several sequences that share their prompt's blocks.
 
-Where this lives in vLLM: `vllm/v1/request.py` (`Request`, `RequestStatus`). vLLM keeps the block ids in the
-KV cache manager (`req_to_blocks`); we keep them on the sequence so a learner can print one object and see
-everything about a request.
+Where this lives in vLLM: `vllm/v1/request.py` (`Request`, `RequestStatus`). vLLM schedules requests and keeps
+the block ids in the KV cache manager (`req_to_blocks`); we schedule sequences and keep the block table on the
+sequence, so a learner can print one object and see everything about it.
 """
 
 from enum import Enum, auto
 
 
 class SequenceStatus(Enum):
-    """Lifecycle of a sequence: WAITING → RUNNING → FINISHED (preemption sends RUNNING back to WAITING)."""
+    """vLLM's request states. WAITING → RUNNING → FINISHED_*; preemption sends RUNNING to PREEMPTED, which
+    waits (at the front of the queue) to be scheduled again from scratch."""
 
     WAITING = auto()
     RUNNING = auto()
-    FINISHED = auto()
+    PREEMPTED = auto()
+    FINISHED_STOPPED = auto()  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH_CAPPED = auto()  # max_tokens reached, or the context reached max_model_len
+    FINISHED_ABORTED = auto()  # the caller aborted the request
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH_CAPPED, SequenceStatus.FINISHED_ABORTED)
 
 
 class Sequence:
@@ -27,14 +36,21 @@ class Sequence:
     - `block_table[i]` is the physical block holding logical block `i`, i.e. token positions
       `[i * block_size, (i + 1) * block_size)`; the block manager is the only writer.
     - `0 <= num_computed_tokens <= num_tokens`: the first `num_computed_tokens` tokens already have their K/V
-      written to the cache; the model runner advances it, and preemption by recompute resets it to 0.
+      in the cache (computed by a forward pass, or found there by prefix caching); the model runner advances
+      it, and preemption by recompute resets it to 0.
+    - `block_hashes[i]` is the prefix-cache hash of full block `i` (chapter 4); it only ever grows.
 
-    A plain class with `__slots__` rather than a dataclass: the constructor takes the prompt, not the fields.
+    `priority` (lower runs first) and `arrival` (the order requests came in; forks inherit their parent's) are
+    what the scheduler's policies sort by. A plain class with `__slots__` rather than a dataclass: the
+    constructor takes the prompt, not the fields.
     """
 
-    __slots__ = ("seq_id", "token_ids", "num_prompt_tokens", "status", "block_table", "num_computed_tokens")
+    __slots__ = (
+        "seq_id", "token_ids", "num_prompt_tokens", "status", "block_table", "num_computed_tokens", "block_hashes",
+        "priority", "arrival",
+    )
 
-    def __init__(self, seq_id: int, prompt_token_ids: list[int]) -> None:
+    def __init__(self, seq_id: int, prompt_token_ids: list[int], *, priority: int = 0, arrival: int | None = None) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError(f"prompt_token_ids of sequence {seq_id} must hold at least one token, got []")
         self.seq_id: int = seq_id
@@ -43,6 +59,9 @@ class Sequence:
         self.status: SequenceStatus = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens: int = 0
+        self.block_hashes: list[bytes] = []
+        self.priority: int = priority
+        self.arrival: int = seq_id if arrival is None else arrival
 
     @property
     def num_tokens(self) -> int:
@@ -65,10 +84,24 @@ class Sequence:
     def num_output_tokens(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
 
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
     def append_token(self, token_id: int) -> None:
-        """Record a sampled token. Its K/V are not in the cache yet: the next step writes them, after the
-        block manager's `append_slot` has made room."""
+        """Record a sampled token. Its K/V are not in the cache yet: the next step computes them, after the
+        block manager has made room."""
         self.token_ids.append(token_id)
+
+    def fork(self, seq_id: int) -> "Sequence":
+        """A copy with a new id: same tokens, status, progress, priority and arrival, and *no* blocks yet —
+        the block manager's `fork` makes the child's table share the parent's blocks."""
+        child = Sequence(seq_id, self.prompt_token_ids, priority=self.priority, arrival=self.arrival)
+        child.token_ids = list(self.token_ids)
+        child.status = self.status
+        child.num_computed_tokens = self.num_computed_tokens
+        child.block_hashes = list(self.block_hashes)
+        return child
 
     def __repr__(self) -> str:
         return (
