@@ -1,0 +1,51 @@
+"""Triton kernels for paged attention, each beside a pure-PyTorch reference that says what it computes.
+
+- `kv_store`: write each new token's K and V into the paged cache at its slot (vLLM's `reshape_and_cache_flash`).
+- `paged_decode`: one query token per sequence attends to its context read through the block table, with an
+  online softmax; optionally split over the context (flash-decoding) and merged by log-sum-exp.
+- `unified_attention`: a mixed batch of prefills and decodes in one kernel (vLLM's `triton_unified_attention`).
+
+Cache layout, as in vLLM's FlashAttention backend: `[num_blocks, block_size, num_kv_heads, head_dim]`, block
+tables `[num_seqs, max_blocks]` int32.
+
+Without a CUDA device the kernels run in Triton's interpreter, on the CPU: importing this package sets
+`TRITON_INTERPRET=1` (unless it is already set) before any kernel is decorated, so `import kernels` just works.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kernels.kv_store import kv_store_kernel, store_kv_cache, store_kv_cache_reference  # noqa: E402
+from kernels.paged_decode import (  # noqa: E402
+    choose_num_splits,
+    merge_splits_kernel,
+    paged_decode_attention,
+    paged_decode_attention_reference,
+    paged_decode_kernel,
+    paged_decode_split_kernel,
+)
+from kernels.unified_attention import unified_attention, unified_attention_kernel, unified_attention_reference  # noqa: E402
+
+__all__ = [
+    "choose_num_splits",
+    "kv_store_kernel",
+    "merge_splits_kernel",
+    "paged_decode_attention",
+    "paged_decode_attention_reference",
+    "paged_decode_kernel",
+    "paged_decode_split_kernel",
+    "store_kv_cache",
+    "store_kv_cache_reference",
+    "unified_attention",
+    "unified_attention_kernel",
+    "unified_attention_reference",
+]
+
+
+def interpreted() -> bool:
+    """True when kernels run in Triton's interpreter (on the CPU) rather than compiled for a GPU."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
