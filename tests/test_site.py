@@ -1,8 +1,9 @@
 """The course site: it builds with `mkdocs build --strict`, and chapter 01 reads correctly in a real browser.
 
 The site is built into a temporary folder, served from 127.0.0.1 by Python's http.server, and opened in headless
-Chromium (Debian's `chromium` package) driven by Playwright. Every request that leaves 127.0.0.1 (the MathJax
-CDN, for one) is refused, so the result is the same with or without a network.
+Chromium (Debian's `chromium` package) driven by Playwright. Every request that leaves 127.0.0.1 is refused and
+recorded, so the result is the same with or without a network, and a page that reaches out (a font service, a
+math script from a CDN) is caught: the math is MathML rendered at build time (docs/hooks.py), drawn natively.
 
 Without Chromium the browser tests skip, with the install command as the reason; under CI=true a missing
 Chromium or Playwright is a failure.
@@ -13,7 +14,9 @@ from __future__ import annotations
 import functools
 import html.parser
 import http.server
+import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
@@ -181,14 +184,20 @@ def browser() -> Iterator[Any]:
 
 @pytest.fixture
 def page(browser: Any, site_url: str) -> Iterator[Any]:
-    """A fresh tab that may reach only the test server. Uncaught script errors collect in `page.errors`."""
+    """A fresh tab that may reach only the test server.
+
+    Uncaught script errors collect in `page.errors`, refused requests (anything not on the test server) in
+    `page.blocked`.
+    """
     context = browser.new_context()
+    blocked: list[str] = []
 
     def only_local(route: Any) -> None:
         url = route.request.url
         if url.startswith((site_url, "data:")):
             route.continue_()
         else:
+            blocked.append(url)
             route.abort()
 
     context.route("**/*", only_local)
@@ -196,6 +205,7 @@ def page(browser: Any, site_url: str) -> Iterator[Any]:
     page.set_default_timeout(TIMEOUT_MS)
     page.set_default_navigation_timeout(TIMEOUT_MS)
     page.errors = []
+    page.blocked = blocked
     page.on("pageerror", lambda error: page.errors.append(str(error)))
     try:
         yield page
@@ -212,6 +222,24 @@ def chapter_01_url(site_url: str) -> str:
 
 def _heading_text(locator: Any) -> str:
     return locator.inner_text().replace("¶", "").strip()  # drop the permalink anchor
+
+
+# The article's text outside code and outside rendered formulas: where leftover TeX would show. Hidden text (a
+# closed hint) counts too: opening it must not reveal raw TeX either.
+_PROSE_TEXT_JS = """() => {
+  const walker = document.createTreeWalker(document.querySelector("article"), NodeFilter.SHOW_TEXT);
+  const parts = [];
+  for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+    if (!node.parentElement.closest("pre, code, math, script, style")) parts.push(node.nodeValue);
+  }
+  return parts.join("");
+}"""
+_RAW_TEX = re.compile(r"\\[(\[]|\$[^$]+\$|\\(?:frac|sqrt|mathrm|text|begin|cdot)\b")
+
+
+def _raw_tex(text: str) -> list[str]:
+    """Pieces of `text` that are TeX a browser would show as typed: `\\(`, `\\[`, `$...$`, or a TeX command."""
+    return sorted({match.group(0)[:80] for match in _RAW_TEX.finditer(text)})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -272,22 +300,70 @@ def test_chapter_01_notebook_can_be_downloaded(page: Any, chapter_01_url: str) -
     assert "cells" in response.json(), f"{href} is not a notebook"
 
 
-def test_chapter_01_math_is_handed_to_mathjax(page: Any, chapter_01_url: str) -> None:
-    """One MathJax 3 for the site, set to typeset the notebook's Markdown cells (nbconvert's MathJax 2 removed).
+def test_chapter_01_math_is_rendered_offline(page: Any, chapter_01_url: str) -> None:
+    """The notebook's formulas arrive as MathML, which Chromium lays out itself: no script, no network.
 
-    No network here, so MathJax itself does not load: the check is that it is wired up and the TeX is intact.
+    Every request off 127.0.0.1 is refused, so a formula that needed a CDN would be left as raw TeX here.
     """
     page.goto(chapter_01_url, wait_until="load")
-    assert page.locator('script[type="text/x-mathjax-config"]').count() == 0, "nbconvert's MathJax 2 is still there"
-    assert page.locator('script[src*="mathjax"]').count() >= 1, "no MathJax script on the page"
-    process_class = page.evaluate("() => window.MathJax && window.MathJax.options.processHtmlClass")
-    assert process_class and "jp-RenderedMarkdown" in process_class, f"MathJax config: {process_class!r}"
+    assert page.blocked == [], f"chapter 01's page asked for files off the site: {page.blocked}"
+    assert page.locator('script[type="text/x-mathjax-config"]').count() == 0, "nbconvert's MathJax loader is back"
+    assert page.locator('script[src*="mathjax" i], script[src*="katex" i]').count() == 0, "a math script is loaded"
+
     notebook = json.loads(CHAPTER_01.read_text(encoding="utf-8"))
-    tex = re.compile(r"\$[^$\n]+\$")
     source = "\n".join("".join(c["source"]) for c in notebook["cells"] if c["cell_type"] == "markdown")
-    if tex.search(source):
-        shown = "\n".join(page.locator("article .jp-RenderedMarkdown").all_inner_texts())
-        assert tex.search(shown), "the notebook's TeX ($...$) is missing from the page's Markdown cells"
+    display_in_source = len(re.findall(r"\$\$.+?\$\$", source, re.DOTALL))
+    assert display_in_source >= 1 and "$" in source.replace("$$", ""), "chapter 01 has no inline and display math"
+    formulas = page.locator("article .jp-RenderedMarkdown math")
+    display = page.locator('article .jp-RenderedMarkdown math[display="block"]')
+    assert display.count() == display_in_source, (
+        f"{display_in_source} display formulas ($$...$$) in chapter 01's Markdown cells, {display.count()} rendered"
+    )
+    assert formulas.count() > display.count(), "no inline formula ($...$) rendered on chapter 01's page"
+
+    # Laid out as math by the browser, not shown as text: a MathML display box, a fraction taller than a line.
+    kinds = page.evaluate("() => [...document.querySelectorAll('article math')].map(m => getComputedStyle(m).display)")
+    assert set(kinds) <= {"math", "inline math", "block math"}, f"math elements not laid out as MathML: {set(kinds)}"
+    fraction = page.locator('article math[display="block"]:has(mfrac)').first
+    fraction.scroll_into_view_if_needed()
+    box = fraction.bounding_box()
+    line = page.evaluate("() => parseFloat(getComputedStyle(document.querySelector('article p')).lineHeight)")
+    assert box and box["height"] > 1.5 * line, f"a display fraction is {box} high, a line of text {line}px"
+
+    leftover = _raw_tex(page.evaluate(_PROSE_TEXT_JS))
+    assert not leftover, f"raw TeX in chapter 01's text: {leftover}"
+    assert page.errors == [], f"script errors on chapter 01's page: {page.errors}"
+
+
+def _load_hooks() -> Any:
+    spec = importlib.util.spec_from_file_location("site_hooks", ROOT / "docs" / "hooks.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_math_is_rendered_only_where_tex_may_be(caplog: pytest.LogCaptureFixture) -> None:
+    """The hook converts TeX in Markdown cells and arithmatex formulas; code, and everything else, stays as it is."""
+    render_math = _load_hooks().render_math
+    cell = (
+        '<div class="jp-RenderedHTMLCommon jp-RenderedMarkdown" data-mime-type="text/markdown">'
+        "<p>$a &lt; b$, <code>$x$</code> and</p><div><p>$$\\frac{1}{2}$$</p></div></div>"
+        '<div class="jp-OutputArea-output"><pre>$y$</pre>$z$</div>'
+        '<p><span class="arithmatex">\\(K\\)</span></p>'
+    )
+    out = render_math(cell)
+    assert "<math><mi>a</mi><mo>&lt;</mo><mi>b</mi></math>" in out, out
+    assert '<math display="block"><mfrac>' in out, out
+    assert "<code>$x$</code>" in out and "<pre>$y$</pre>$z$" in out, "TeX outside a Markdown cell was converted"
+    assert '<span class="arithmatex"><math><mi>K</mi></math></span>' in out, out
+
+    with caplog.at_level(logging.WARNING):
+        broken = render_math('<div class="arithmatex">\\[\\frac{1}{\\]</div>', "broken.md")
+    assert "\\frac{1}{" in broken, "a formula that does not convert must stay as it was"
+    assert any("broken.md" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records), (
+        "a formula that does not convert must be a warning (so `mkdocs build --strict` fails)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -314,6 +390,13 @@ def test_home_page_links_to_chapter_01(page: Any, site_url: str, chapter_01_url:
     copy_buttons = page.locator('article pre button[data-md-type="copy"]')
     copy_buttons.nth(1).wait_for(state="attached")  # Material's script adds them after the page loads
     assert copy_buttons.count() >= 2, "the commands have no copy button"
+
+    # The home page's formulas (pymdownx.arithmatex): rendered, not left as TeX.
+    assert page.locator('article .arithmatex math[display="block"]').count() >= 1, "no display formula rendered"
+    assert page.locator("article .arithmatex math:not([display])").count() >= 1, "no inline formula rendered"
+    leftover = _raw_tex(page.evaluate(_PROSE_TEXT_JS))
+    assert not leftover, f"raw TeX in the home page's text: {leftover}"
+    assert page.blocked == [], f"the home page asked for files off the site: {page.blocked}"
 
     link = page.locator(f'article a[href$="{CHAPTER_01_PAGE}"]')
     assert link.count() >= 1, "the home page has no link to chapter 01"
