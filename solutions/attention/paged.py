@@ -102,3 +102,20 @@ class PagedAttention:
         key_cache, value_cache = self.kv_cache.key_caches[layer_idx], self.kv_cache.value_caches[layer_idx]
         write_to_kv_cache(k, v, key_cache, value_cache, self.metadata.slot_mapping)
         return paged_attention(q, key_cache, value_cache, self.metadata, scale=q.shape[-1] ** -0.5)
+
+
+def copy_blocks(kv_cache: KVCache, blocks_to_copy: list[tuple[int, int]]) -> None:
+    """Copy-on-write, applied: for every layer, K and V of block `src` are copied into block `dst`.
+
+    Runs before the forward pass that writes into the `dst` blocks, so each sequence that was given a private
+    copy of a shared partial block sees the tokens written so far. All pairs go in one indexed copy per
+    cache tensor (2 × layers copies, however many pairs) — vLLM's `copy_blocks` does the same in one kernel.
+    Pairs must have distinct destinations, none of them a source of another pair (the block pool guarantees
+    it: a destination is a fresh block).
+    """
+    if not blocks_to_copy:
+        return
+    src = torch.tensor([s for s, _ in blocks_to_copy], dtype=torch.long)  # (P,)
+    dst = torch.tensor([d for _, d in blocks_to_copy], dtype=torch.long)  # (P,)
+    for cache in kv_cache.key_caches + kv_cache.value_caches:
+        cache[dst] = cache[src]  # (P, block_size, Hkv, D): the gather copies src first, so the order is safe
