@@ -5,15 +5,21 @@
     outs[0].outputs[0].text
 """
 
+import dataclasses
 from collections.abc import Sequence as Seq
 
+from tqdm.auto import tqdm
+
+from solutions.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from solutions.core.block_manager import cdiv
+from solutions.core.sched.request_queue import SchedulingPolicy
 from solutions.engine.llm_engine import LLMEngine
 from solutions.model.loader import DEFAULT_MODEL, load_model, load_tokenizer
 from solutions.outputs import RequestOutput
-from solutions.sampling_params import SamplingParams
+from solutions.sampling_params import RequestOutputKind, SamplingParams
+from solutions.worker.model_runner import ATTENTION_BACKENDS
 
-ATTENTION_BACKENDS = ("torch",)  # chapter 6 adds "triton"
+SCHEDULING_POLICIES = tuple(policy.value for policy in SchedulingPolicy)
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -23,11 +29,12 @@ def _positive_int(name: str, value: object) -> int:
 
 
 class LLM:
-    """Load a model once; generate for batches of prompts.
+    """Load a model once; generate for batches of prompts through the engine (`self.llm_engine`).
 
     `num_kv_blocks=None` sizes the paged KV cache so that `max_num_seqs` sequences of `max_model_len` tokens
-    all fit. `enable_prefix_caching` is accepted for vLLM compatibility; the block manager shares cached
-    prefixes from chapter 4 on.
+    all fit, but within `kv_cache_memory_bytes` (as vLLM's option of that name; vLLM's default instead takes a
+    fraction of the GPU's free memory). `long_prefill_token_threshold=None` lets one prompt take the whole token
+    budget of a step.
     """
 
     def __init__(
@@ -35,38 +42,56 @@ class LLM:
         model: str = DEFAULT_MODEL,
         block_size: int = 16,
         num_kv_blocks: int | None = None,
-        max_num_seqs: int = 8,
+        kv_cache_memory_bytes: int = 2**30,
+        max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
+        long_prefill_token_threshold: int | None = None,
         enable_prefix_caching: bool = True,
+        scheduling_policy: str = "fcfs",
         attention_backend: str = "torch",
         seed: int = 0,
     ) -> None:
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}")
         if not isinstance(enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
+        block_size = _positive_int("block_size", block_size)
+        max_num_seqs = _positive_int("max_num_seqs", max_num_seqs)
+        max_num_batched_tokens = _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        if long_prefill_token_threshold is not None:
+            _positive_int("long_prefill_token_threshold", long_prefill_token_threshold)
+        if num_kv_blocks is not None:
+            _positive_int("num_kv_blocks", num_kv_blocks)
+        _positive_int("kv_cache_memory_bytes", kv_cache_memory_bytes)
+        if max_model_len is not None:
+            _positive_int("max_model_len", max_model_len)
         self.model = load_model(model)
         self.tokenizer = load_tokenizer(model)
         limit = self.model.config.max_position_embeddings
-        max_model_len = min(limit, 2048) if max_model_len is None else _positive_int("max_model_len", max_model_len)
+        max_model_len = min(limit, 2048) if max_model_len is None else max_model_len
         if max_model_len > limit:
             raise ValueError(f"max_model_len must be at most the model's max_position_embeddings={limit}, got {max_model_len}")
-        block_size = _positive_int("block_size", block_size)
-        max_num_seqs = _positive_int("max_num_seqs", max_num_seqs)
         if num_kv_blocks is None:
-            num_kv_blocks = max_num_seqs * cdiv(max_model_len, block_size)
-        self.enable_prefix_caching = enable_prefix_caching
-        self.engine = LLMEngine(
+            config = self.model.config
+            bytes_per_block = 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * 4
+            num_kv_blocks = max(1, min(max_num_seqs * cdiv(max_model_len, block_size), kv_cache_memory_bytes // bytes_per_block))
+        self.llm_engine = LLMEngine(
             self.model,
             self.tokenizer,
             block_size=block_size,
-            num_kv_blocks=_positive_int("num_kv_blocks", num_kv_blocks),
+            num_kv_blocks=num_kv_blocks,
             max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=_positive_int("max_num_batched_tokens", max_num_batched_tokens),
+            max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
+            long_prefill_token_threshold=long_prefill_token_threshold or max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            scheduling_policy=SchedulingPolicy(scheduling_policy),
+            attention_backend=attention_backend,
             seed=seed,
         )
         self._request_counter = 0
@@ -76,6 +101,7 @@ class LLM:
         prompts: str | list[int] | Seq[str | list[int]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         priority: Seq[int] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt (a string or a list of token ids); outputs come back in prompt order.
 
@@ -93,16 +119,66 @@ class LLM:
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts; give one or one per prompt")
         if len(priorities) != len(prompts):
             raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts; give one per prompt")
+        engine = self.llm_engine
+        if engine.scheduler.policy is not SchedulingPolicy.PRIORITY and any(priorities):
+            raise ValueError("priority needs LLM(scheduling_policy='priority'); under 'fcfs' leave it unset")
+        final_only = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         first = self._request_counter
         requests = [
-            self.engine.process_request(str(first + i), prompt, p, prio)
-            for i, (prompt, p, prio) in enumerate(zip(prompts, params, priorities, strict=True))
+            engine.process_request(str(first + i), prompt, p, prio)
+            for i, (prompt, p, prio) in enumerate(zip(prompts, final_only, priorities, strict=True))
         ]
         self._request_counter += len(requests)
         for request in requests:
-            self.engine.add_request(request)
+            engine.add_request(request)
         finished: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                finished[output.request_id] = output
+        with tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
         return [finished[r.request_id] for r in requests]
+
+    def chat(
+        self, messages: list[dict[str, str]] | list[list[dict[str, str]]], sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations (`[{"role": "user", "content": ...}, ...]`), formatted with the
+        model's chat template."""
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise ValueError("chat needs a tokenizer with a chat template; this model has none, use generate")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: Seq[str | list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """The `params.beam_width` best continuations of each prompt, best first (one `BeamSearchOutput` each).
+
+        Runs outside the scheduler, as vLLM's does, on the engine's KV cache manager and model runner: beams
+        fork and free sequences that share blocks (see `solutions/beam_search.py`). The engine must be idle.
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        engine = self.llm_engine
+        if engine.has_unfinished_requests():
+            raise ValueError("beam_search needs an idle engine: finish or abort the unfinished requests first")
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        token_ids = []
+        for prompt in prompts:
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) and self.tokenizer is not None else prompt
+            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and 0 <= t < self.model.config.vocab_size for t in ids):
+                raise ValueError(f"each prompt must be a string or a non-empty list of token ids in [0, vocab_size), got {prompt!r}")
+            if len(ids) >= engine.max_model_len:
+                raise ValueError(f"a prompt has {len(ids)} tokens; it must be shorter than max_model_len={engine.max_model_len}")
+            token_ids.append(ids)
+        beams = run_beam_search(
+            engine.kv_cache_manager, engine.model_runner, token_ids, params,
+            eos_token_id=self.model.config.eos_token_id, max_model_len=engine.max_model_len, seq_ids=engine._seq_ids,
+        )
+        for sequences in beams:
+            for seq in sequences:
+                if self.tokenizer is not None:
+                    seq.text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
+        return [BeamSearchOutput(sequences) for sequences in beams]

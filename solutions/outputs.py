@@ -1,4 +1,4 @@
-"""What `LLM.generate` returns, shaped like vLLM's `RequestOutput` (`vllm/outputs.py`)."""
+"""What the engine returns, shaped like vLLM's `RequestOutput` (`vllm/outputs.py`, `vllm/logprobs.py`)."""
 
 from dataclasses import dataclass
 from enum import Enum
@@ -9,6 +9,14 @@ class FinishReason(str, Enum):
 
     STOP = "stop"  # EOS, a stop token id, or a stop string
     LENGTH = "length"  # max_tokens reached, or the context reached max_model_len
+    ABORT = "abort"  # the caller aborted the request
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int  # 1 = the most likely token
+    decoded_token: str | None = None
 
 
 @dataclass
@@ -18,6 +26,12 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: FinishReason | None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
+    cumulative_logprob: float | None = None  # with `logprobs` requested
+    logprobs: list[dict[int, Logprob]] | None = None  # per token: the top `logprobs` tokens and the sampled one
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -27,3 +41,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache instead of computed

@@ -4,6 +4,14 @@ Where this lives in vLLM: `vllm/sampling_params.py`.
 """
 
 from dataclasses import dataclass, field
+from enum import Enum
+
+
+class RequestOutputKind(Enum):
+    """What `LLMEngine.step()` reports for a request (vLLM's name)."""
+
+    DELTA = "delta"  # each step: only the tokens and text that are new since the last output (streaming)
+    FINAL_ONLY = "final_only"  # nothing until it finishes, then everything (what `LLM.generate` uses)
 
 
 def _require(ok: bool, field_name: str, allowed: str, value: object) -> None:
@@ -15,28 +23,33 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 @dataclass
 class SamplingParams:
     n: int = 1  # independent completions per prompt (parallel sampling)
     temperature: float = 1.0  # 0 means greedy: always the most likely token
     top_p: float = 1.0  # keep the smallest set of tokens whose probability adds up to top_p
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 keeps all
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one; 0 keeps all
     max_tokens: int = 16  # generate at most this many tokens
     stop: list[str] = field(default_factory=list)  # finish when the text contains one; it is cut from the text
     stop_token_ids: list[int] = field(default_factory=list)  # finish after generating one of these
     ignore_eos: bool = False  # keep going past the model's end-of-sequence token
     seed: int | None = None  # per-request random seed: the same seed gives the same samples
+    logprobs: int | None = None  # also return this many most likely tokens' log-probabilities per step
+    output_kind: RequestOutputKind = RequestOutputKind.DELTA
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         _require(_is_int(self.n) and self.n >= 1, "n", "an int >= 1", self.n)
-        _require(
-            isinstance(self.temperature, int | float) and not isinstance(self.temperature, bool)
-            and self.temperature >= 0, "temperature", "a number >= 0", self.temperature,
-        )
-        _require(isinstance(self.top_p, int | float) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        _require(_is_number(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0", self.temperature)
+        _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
         _require(_is_int(self.top_k) and self.top_k >= -1, "top_k", "-1, 0 (both: disabled) or an int >= 1", self.top_k)
+        _require(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
         _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an int >= 1", self.max_tokens)
         _require(
             isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
@@ -48,6 +61,8 @@ class SamplingParams:
         )
         _require(isinstance(self.ignore_eos, bool), "ignore_eos", "True or False", self.ignore_eos)
         _require(self.seed is None or _is_int(self.seed), "seed", "None or an int", self.seed)
+        _require(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0), "logprobs", "None or an int >= 0", self.logprobs)
+        _require(isinstance(self.output_kind, RequestOutputKind), "output_kind", "a RequestOutputKind", self.output_kind)
 
     @property
     def greedy(self) -> bool:

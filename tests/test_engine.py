@@ -14,7 +14,7 @@ from grading.parity import assert_greedy_close
 from grading.tiny_models import TINY_CONFIGS, hf_model, tiny_checkpoint
 from solutions import LLM, FinishReason, SamplingParams
 from solutions.model.loader import resolve_model
-from solutions.sample.sampler import filter_top_k_top_p
+from solutions.sample.sampler import apply_top_k_top_p_min_p
 
 GREEDY_64 = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 
@@ -61,7 +61,7 @@ def test_tiny_greedy_matches_hugging_face_in_any_batch_composition(name, engine_
         assert output.prompt_token_ids == prompt
         theirs = hf_greedy(folder, tuple(prompt), 64)
         assert_greedy_close(output.outputs[0].token_ids, theirs, prompt, hf_oracle(folder))
-    assert llm.engine.block_manager.num_used_blocks == 0, "every block is freed when the requests finish"
+    assert llm.llm_engine.kv_cache_manager.num_used_blocks == 0, "every block is freed when the requests finish"
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def test_smollm2_greedy_matches_hugging_face_generate(smollm2):
         prompt = output.prompt_token_ids
         theirs = hf_greedy(folder, tuple(prompt), 64)
         assert_greedy_close(output.outputs[0].token_ids, theirs, prompt, hf_oracle(folder))
-    assert smollm2.engine.stats.peak_blocks_used > 0 and smollm2.engine.block_manager.num_used_blocks == 0
+    assert smollm2.llm_engine.stats.peak_blocks_used > 0 and smollm2.llm_engine.kv_cache_manager.num_used_blocks == 0
 
 
 # --- outputs, stop conditions, sampling ------------------------------------------------------------------
@@ -140,22 +140,41 @@ def test_top_k_one_is_greedy():
     assert [o.outputs[0].token_ids for o in greedy] == [o.outputs[0].token_ids for o in top1]
 
 
+def kept(logits: list[float], top_k: int = 4, top_p: float = 1.0, min_p: float = 0.0) -> list[bool]:
+    """Which of one row's tokens survive the filters."""
+    row = torch.log(torch.tensor([logits]))  # (1, V)
+    out = apply_top_k_top_p_min_p(row, torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([min_p]))
+    return out[0].isfinite().tolist()
+
+
 def test_top_p_keeps_the_smallest_nucleus():
-    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    kept = filter_top_k_top_p(logits, top_k=0, top_p=0.8).isfinite().tolist()
-    assert kept == [True, True, False, False]
-    assert filter_top_k_top_p(logits, top_k=0, top_p=0.81).isfinite().tolist() == [True, True, True, False]
-    assert filter_top_k_top_p(logits, top_k=0, top_p=0.1).isfinite().tolist() == [True, False, False, False]
+    probs = [0.5, 0.3, 0.15, 0.05]
+    assert kept(probs, top_p=0.8) == [True, True, False, False]
+    assert kept(probs, top_p=0.81) == [True, True, True, False]
+    assert kept(probs, top_p=0.1) == [True, False, False, False]
+
+
+def test_top_k_and_min_p_filters():
+    probs = [0.05, 0.5, 0.15, 0.3]  # not sorted: the filters must sort
+    assert kept(probs, top_k=2) == [False, True, False, True]
+    assert kept(probs, min_p=0.3) == [False, True, True, True]  # 0.15 >= 0.3 * 0.5
+    assert kept(probs, min_p=0.31) == [False, True, False, True]
+
+
+def test_filters_apply_per_row():
+    rows = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]]))
+    out = apply_top_k_top_p_min_p(rows, torch.tensor([1, 4]), torch.tensor([1.0, 0.5]), torch.tensor([0.0, 0.0]))
+    assert out.isfinite().sum(dim=-1).tolist() == [1, 2]
 
 
 def test_lower_priority_value_runs_first():
-    llm = LLM(model=str(tiny_checkpoint("llama-gqa")), max_num_seqs=1)
-    engine, params = llm.engine, SamplingParams(temperature=0.0, max_tokens=3)
+    llm = LLM(model=str(tiny_checkpoint("llama-gqa")), max_num_seqs=1, scheduling_policy="priority")
+    engine, params = llm.llm_engine, SamplingParams(temperature=0.0, max_tokens=3)
     for request_id, priority in [("late", 5), ("urgent", -1), ("normal", 0)]:
         engine.add_request(engine.process_request(request_id, [1, 2, 3], params, priority))
     finished = []
     while engine.has_unfinished_requests():
-        finished += [o.request_id for o in engine.step()]
+        finished += [o.request_id for o in engine.step() if o.finished]
     assert finished == ["urgent", "normal", "late"]
 
 
@@ -186,7 +205,7 @@ def test_invalid_sampling_params_name_the_field_and_the_allowed_values(field, va
 @pytest.mark.parametrize(
     "args,message",
     [
-        (dict(attention_backend="cuda"), "attention_backend must be one of ('torch',), got 'cuda'"),
+        (dict(attention_backend="cuda"), "attention_backend must be one of ('torch', 'triton'), got 'cuda'"),
         (dict(block_size=0), "block_size must be a positive int, got 0"),
         (dict(max_num_seqs=-1), "max_num_seqs must be a positive int, got -1"),
         (dict(num_kv_blocks=0), "num_kv_blocks must be a positive int, got 0"),
@@ -212,7 +231,7 @@ def test_a_bad_request_is_rejected_and_disturbs_nothing():
     for prompts, message in bad_batches:
         with pytest.raises(ValueError, match=re.escape(message)):
             llm.generate(prompts, params)
-        assert not llm.engine.has_unfinished_requests() and llm.engine.block_manager.num_used_blocks == 0
+        assert not llm.llm_engine.has_unfinished_requests() and llm.llm_engine.kv_cache_manager.num_used_blocks == 0
     assert llm.generate([[1, 2, 3]], params)[0].outputs[0].token_ids == before
 
 
@@ -220,4 +239,4 @@ def test_command_line_generates_and_reports_the_engine(tmp_path):
     cmd = [sys.executable, "-m", "solutions", "What is the capital of France?", "--max-tokens", "12"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
     assert "Paris" in proc.stdout
-    assert "what the engine did" in proc.stdout and "steps" in proc.stdout and "peak blocks in use" in proc.stdout
+    assert "what the engine did" in proc.stdout and "steps" in proc.stdout and "peak in use" in proc.stdout

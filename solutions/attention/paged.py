@@ -33,10 +33,12 @@ class KVCache:
     @classmethod
     def allocate(cls, config: ModelConfig, num_blocks: int, block_size: int) -> "KVCache":
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        # torch.empty: slots are written before they are ever read, so zeroing would be wasted work.
+        # Zeros, not torch.empty: a batched backend reads whole blocks, padding included, and weighs the slots
+        # past a sequence's end by a probability of 0 — but 0 × NaN is NaN, and uninitialised memory may hold
+        # NaN. Once zeroed, a slot only ever holds real (finite) keys and values, stale or current.
         return cls(
-            [torch.empty(shape) for _ in range(config.num_hidden_layers)],
-            [torch.empty(shape) for _ in range(config.num_hidden_layers)],
+            [torch.zeros(shape) for _ in range(config.num_hidden_layers)],
+            [torch.zeros(shape) for _ in range(config.num_hidden_layers)],
         )
 
     @property

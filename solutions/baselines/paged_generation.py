@@ -7,6 +7,7 @@ again in one pass. The block manager hands out a block only when a sequence's ne
 import torch
 
 from solutions.core.block_manager import BlockManager, cdiv
+from solutions.core.sched.output import SchedulerOutput
 from solutions.model.llama import LlamaForCausalLM
 from solutions.worker.model_runner import ModelRunner
 from solutions.core.sequence import Sequence, SequenceStatus
@@ -24,7 +25,8 @@ def generate_paged(
         block_manager.allocate(seq)
         seq.status = SequenceStatus.RUNNING
     for _ in range(max_new_tokens):
-        logits = runner.execute_model(seqs)  # (B, V): first a prefill of every prompt, then decodes
+        step = SchedulerOutput(seqs, [seq.num_tokens - seq.num_computed_tokens for seq in seqs])  # all uncomputed tokens
+        logits = runner.execute_model(step)  # (B, V): first a prefill of every prompt, then decodes
         for seq, token_id in zip(seqs, torch.argmax(logits, dim=-1).tolist(), strict=True):
             seq.append_token(token_id)
             block_manager.append_slot(seq)  # room for the new token's K/V, written by the next step

@@ -1,57 +1,69 @@
-"""The engine loop: admit requests, run one forward pass per step, sample, check stop conditions, free.
+"""The engine: requests in, one step at a time, outputs back.
 
-This version batches *statically*: it admits as many waiting sequences as fit (by `max_num_seqs` and by
-the blocks they could need at their longest), prefills them, then decodes that batch until all of it has
-finished before admitting more. Chapter 5 replaces the admission rule with continuous batching; the step
-structure — schedule, execute, postprocess — stays the same.
+    engine.add_request("r1", "Once upon a time", SamplingParams(max_tokens=8))
+    while engine.has_unfinished_requests():
+        for output in engine.step():   # what each request produced in this step
+            ...
 
-Where this lives in vLLM: `vllm/v1/engine/llm_engine.py` (`add_request`, `step`), with the processor
-(`vllm/v1/engine/processor.py`) and output processor (`vllm/v1/engine/output_processor.py`).
+A step is three stages, each owned by one object:
+    schedule     Scheduler.schedule()            which sequences compute how many tokens (and what is preempted)
+    execute      ModelRunner.execute_model()      one forward pass over the flattened batch → logits
+    postprocess  sample, check stops, fork `n > 1` samples, free the finished, detokenise (OutputProcessor)
+
+Where this lives in vLLM: `vllm/v1/engine/llm_engine.py` (`add_request`, `step`, `abort_request`), with the
+engine core's step in `vllm/v1/engine/core.py` (`EngineCore.step`) and `Scheduler.update_from_output`.
 """
 
 import itertools
-from collections import deque
+import time
 from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from solutions.core.block_manager import BlockManager, cdiv
+from solutions.core.kv_cache_manager import KVCacheManager
+from solutions.core.sched.output import SchedulerOutput
+from solutions.core.sched.request_queue import SchedulingPolicy
+from solutions.core.sched.scheduler import Scheduler
+from solutions.core.sched.stop import check_stop
+from solutions.core.sequence import Sequence, SequenceStatus
+from solutions.engine.output_processor import RequestState
+from solutions.engine.processor import Processor, Request
 from solutions.model.llama import LlamaForCausalLM
-from solutions.worker.model_runner import ModelRunner
-from solutions.outputs import CompletionOutput, FinishReason, RequestOutput
+from solutions.outputs import FinishReason, RequestOutput
 from solutions.sample.sampler import sample
 from solutions.sampling_params import SamplingParams
-from solutions.core.sequence import Sequence, SequenceStatus
+from solutions.worker.model_runner import ModelRunner
+
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: FinishReason.STOP,
+    SequenceStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    SequenceStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
 
 
 @dataclass
-class Request:
-    """One prompt with its n sequences (one per sample) and what each has produced so far."""
+class StepStats:
+    """What one step did, for the live display and the chapter's timelines."""
 
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int
-    seqs: list[Sequence]
-    generators: list[torch.Generator]
-    completions: list[CompletionOutput]
-
-    @property
-    def finished(self) -> bool:
-        return all(seq.status == SequenceStatus.FINISHED for seq in self.seqs)
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_running: int
+    num_waiting: int
+    num_blocks_used: int
+    num_preempted: int
+    num_cached_tokens: int  # found in the prefix cache by the sequences admitted in this step
+    seconds: dict[str, float]  # per stage: schedule, prepare+forward ("execute"), sample, postprocess
 
 
 @dataclass
 class EngineStats:
-    """What the engine did, for the command line and the chapters' measurements."""
-
     num_steps: int = 0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     batch_sizes: list[int] = field(default_factory=list)  # sequences per step
     peak_blocks_used: int = 0
+    steps: list[StepStats] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -65,154 +77,161 @@ class LLMEngine:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
-        seed: int,
+        long_prefill_token_threshold: int,
+        enable_prefix_caching: bool = True,
+        scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS,
+        attention_backend: str = "torch",
+        seed: int = 0,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.block_size, self.max_model_len = block_size, max_model_len
-        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.block_manager = BlockManager(num_kv_blocks, block_size)
-        self.model_runner = ModelRunner(model, num_kv_blocks, block_size)
-        self.seed = seed
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.requests: dict[str, Request] = {}
-        self._owner: dict[int, tuple[Request, int]] = {}  # seq_id -> (its request, its sample index)
+        self.processor = Processor(
+            tokenizer, vocab_size=model.config.vocab_size, max_model_len=max_model_len, num_blocks=num_kv_blocks,
+            block_size=block_size, seed=seed,
+        )
+        self.kv_cache_manager = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv_cache_manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            long_prefill_token_threshold=long_prefill_token_threshold, policy=scheduling_policy,
+        )
+        self.model_runner = ModelRunner(model, num_kv_blocks, block_size, attention_backend)
+        self.requests: dict[str, RequestState] = {}
+        self._owner: dict[int, tuple[RequestState, int]] = {}  # seq_id -> (its request, its sample index)
         self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
         self.stats = EngineStats()
 
-    # --- processor: validate and tokenise, before anything is queued --------------------------------------
+    # --- requests in and out ---------------------------------------------------------------------------------
 
     def process_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
     ) -> Request:
-        """Validate one request and build its sequences; raises ValueError and changes nothing if invalid."""
+        """Validate and tokenise one request without queuing it (ValueError, and no change, if it is bad)."""
         if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt must be a list of token ids: this model folder has no tokenizer")
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            text, token_ids = None, list(prompt)
-        else:
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        vocab_size = self.model.config.vocab_size
-        if not token_ids:
-            raise ValueError(f"prompt of request {request_id!r} is empty: it must hold at least one token")
-        if any(not 0 <= t < vocab_size for t in token_ids):
-            raise ValueError(f"prompt_token_ids of request {request_id!r} must lie in [0, {vocab_size})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt of request {request_id!r} has {len(token_ids)} tokens; it must be shorter than "
-                f"max_model_len={self.max_model_len}"
-            )
-        if self._blocks_needed(len(token_ids), params) > self.block_manager.num_blocks:
-            raise ValueError(
-                f"request {request_id!r} could need {self._blocks_needed(len(token_ids), params)} KV blocks, more "
-                f"than num_kv_blocks={self.block_manager.num_blocks}; lower max_tokens or raise num_kv_blocks"
-            )
-        if params.stop and self.tokenizer is None:
-            raise ValueError("SamplingParams.stop needs a tokenizer, and this model folder has none; use stop_token_ids")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an int (lower runs first), got {priority!r}")
-        seqs, generators = [], []
-        for index in range(params.n):
-            seq_id = next(self._seq_ids)
-            seqs.append(Sequence(seq_id, token_ids))
-            # Unseeded requests draw from the engine's seed; a seeded request's i-th sample uses seed + i (as vLLM).
-            seed = self.seed * 1_000_003 + seq_id if params.seed is None else params.seed + index
-            generators.append(torch.Generator().manual_seed(seed))
-        completions = [CompletionOutput(i, "", [], None) for i in range(params.n)]
-        return Request(request_id, text, token_ids, params, priority, seqs, generators, completions)
+            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+        return self.processor.process_inputs(request_id, prompt, params, priority, arrival=next(self._arrivals))
 
-    def add_request(self, request: Request) -> None:
-        """Queue a processed request; waiting sequences are kept in (priority, arrival) order."""
-        self.requests[request.request_id] = request
-        for index, seq in enumerate(request.seqs):
-            self._owner[seq.seq_id] = (request, index)
-        ordered = sorted([*self.waiting, *request.seqs], key=lambda s: (self._owner[s.seq_id][0].priority, s.seq_id))
-        self.waiting = deque(ordered)
+    def add_request(
+        self, request_id: str | Request, prompt: str | list[int] | None = None, params: SamplingParams | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Queue a request: `add_request(id, prompt, params, priority)`, or a `Request` from `process_request`."""
+        request = request_id if isinstance(request_id, Request) else self.process_request(
+            request_id, prompt, SamplingParams() if params is None else params, priority
+        )
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use by an unfinished request")
+        state = RequestState(request, self.tokenizer)
+        seq = Sequence(next(self._seq_ids), request.prompt_token_ids, priority=request.priority, arrival=request.arrival)
+        request.seqs.append(seq)
+        self.requests[request.request_id] = state
+        self._owner[seq.seq_id] = (state, 0)
+        self.scheduler.add_seq(seq)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Finish requests now, whatever their state, and free every block they hold. Unknown ids raise
+        ValueError before anything is aborted."""
+        request_ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        unknown = [r for r in request_ids if r not in self.requests]
+        if unknown:
+            raise ValueError(f"abort_request: unknown request ids {unknown}; unfinished requests: {sorted(self.requests)}")
+        for request_id in request_ids:
+            state = self.requests.pop(request_id)
+            for index, seq in enumerate(state.request.seqs):
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                    state.finish(index, FinishReason.ABORT)
+                del self._owner[seq.seq_id]
+            for index in range(len(state.request.seqs), state.request.params.n):  # samples never forked
+                state.finish(index, FinishReason.ABORT)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.requests)
 
-    # --- one step: schedule -> execute -> postprocess -------------------------------------------------------
+    # --- one step --------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One forward pass; returns the requests that finished during it."""
-        batch = self._schedule()
-        logits = self.model_runner.execute_model(batch)  # (B, V)
-        owners = [self._owner[s.seq_id] for s in batch]
-        params = [request.params for request, _ in owners]
-        generators = [request.generators[index] for request, index in owners]
-        finished = self._postprocess(batch, sample(logits, params, generators))
-        self.stats.num_steps += 1
-        self.stats.batch_sizes.append(len(batch))
-        return finished
+        """Schedule, run one forward pass, postprocess; return the outputs this step produced."""
+        t0 = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        logits = self.model_runner.execute_model(scheduler_output) if scheduler_output.scheduled_seqs else None
+        t2 = time.perf_counter()
+        touched, seconds_sampling = self._sample_and_append(scheduler_output, logits)
+        outputs = [output for state in touched if (output := self._finish_output(state)) is not None]
+        t3 = time.perf_counter()
+        self._record(scheduler_output, {"schedule": t1 - t0, "execute": t2 - t1, "sample": seconds_sampling,
+                                        "postprocess": t3 - t2 - seconds_sampling})
+        return outputs
 
-    def _blocks_needed(self, prompt_len: int, params: SamplingParams) -> int:
-        """Blocks one sequence could hold at its longest: the static batch reserves this much headroom."""
-        return cdiv(min(prompt_len + params.max_tokens, self.max_model_len), self.block_size)
+    def _sample_and_append(
+        self, scheduler_output: SchedulerOutput, logits: torch.Tensor | None
+    ) -> tuple[list[RequestState], float]:
+        """Sample for every sequence whose tokens are all computed now, fork `n > 1` requests whose prompt just
+        finished, append the tokens, check stop conditions. Returns the requests touched and the sampling time."""
+        for seq_id, num_cached in scheduler_output.num_cached_tokens.items():
+            state, index = self._owner[seq_id]
+            if index == 0 and seq_id in scheduler_output.new_seq_ids:
+                state.num_cached_tokens = num_cached
+        rows, seqs = [], []
+        for row, seq in enumerate(scheduler_output.scheduled_seqs):
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prompt chunk that is not the last: nothing to sample yet
+            state, _ = self._owner[seq.seq_id]
+            if not state.request.forked:  # n > 1: the prompt is prefilled once, then shared by n samples
+                for _ in range(state.request.params.n - 1):
+                    child = seq.fork(next(self._seq_ids))
+                    self.kv_cache_manager.fork(seq, child)
+                    self.scheduler.add_running(child)
+                    self._owner[child.seq_id] = (state, len(state.request.seqs))
+                    state.request.seqs.append(child)
+                    rows.append(row)
+                    seqs.append(child)
+            rows.append(row)
+            seqs.append(seq)
+        if not seqs:
+            return [], 0.0
+        start = time.perf_counter()
+        owners = [self._owner[seq.seq_id] for seq in seqs]
+        params = [state.request.params for state, _ in owners]
+        generators = [state.request.generators[index] for state, index in owners]
+        sampled = sample(logits[rows], params, generators)  # (rows may repeat: n samples of one prompt)
+        seconds = time.perf_counter() - start
 
-    def _schedule(self) -> list[Sequence]:
-        """Prefill newly admitted sequences (up to the token budget), else decode the running batch."""
-        if not self.running:  # static batching: admit a new batch only when the last one is done
-            headroom = self.block_manager.num_free_blocks
-            while self.waiting and len(self.running) < self.max_num_seqs:
-                seq = self.waiting[0]
-                need = self._blocks_needed(seq.num_tokens, self._owner[seq.seq_id][0].params)
-                if need > headroom:
-                    break
-                headroom -= need
-                self.block_manager.allocate(self.waiting.popleft())
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-        prefills, budget = [], self.max_num_batched_tokens
-        for seq in self.running:
-            new_tokens = seq.num_tokens - seq.num_computed_tokens
-            if new_tokens > 1 and (new_tokens <= budget or not prefills):
-                prefills.append(seq)
-                budget -= new_tokens
-        if prefills:
-            self.stats.num_prefill_tokens += sum(s.num_tokens - s.num_computed_tokens for s in prefills)
-            return prefills
-        self.stats.num_decode_tokens += len(self.running)
-        return list(self.running)
-
-    def _postprocess(self, batch: list[Sequence], token_ids: list[int]) -> list[RequestOutput]:
-        self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, self.block_manager.num_used_blocks)
-        done: list[RequestOutput] = []
-        for seq, token_id in zip(batch, token_ids, strict=True):
-            request, index = self._owner[seq.seq_id]
+        touched: dict[str, RequestState] = {}
+        for b, (seq, (state, index)) in enumerate(zip(seqs, owners, strict=True)):
+            token_id = sampled.sampled_token_ids[b]
             seq.append_token(token_id)
-            completion = request.completions[index]
-            self._update_completion(seq, completion, request.params)
-            if completion.finish_reason is None:
-                self.block_manager.append_slot(seq)
-                continue
-            seq.status = SequenceStatus.FINISHED
-            self.block_manager.free(seq)
-            self.running.remove(seq)
-            del self._owner[seq.seq_id]
-            if request.finished:
-                del self.requests[request.request_id]
-                done.append(RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, request.completions, True))
-        return done
+            stop_string = state.add_token(index, token_id, sampled.logprobs[b], sampled.sampled_logprobs[b])
+            stopped = check_stop(seq, state.request.params, self.model.config.eos_token_id, self.max_model_len)
+            if stop_string is not None:  # the text's stop string wins, as in vLLM: the text was cut there
+                stopped = (SequenceStatus.FINISHED_STOPPED, stop_string)
+            if stopped is not None:
+                status, stop_reason = stopped
+                self.scheduler.finish(seq, status)
+                state.finish(index, _FINISH_REASONS[status], stop_reason)
+            touched[state.request.request_id] = state
+        return list(touched.values()), seconds
 
-    def _update_completion(self, seq: Sequence, completion: CompletionOutput, params: SamplingParams) -> None:
-        """Output processor: detokenise, then apply stop conditions in vLLM's order."""
-        token_id = seq.last_token_id
-        completion.token_ids = seq.output_token_ids
-        if self.tokenizer is not None:
-            completion.text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-        if token_id in params.stop_token_ids:
-            completion.finish_reason, completion.stop_reason = FinishReason.STOP, token_id
-        elif token_id == self.model.config.eos_token_id and not params.ignore_eos:
-            completion.finish_reason = FinishReason.STOP
-        elif hits := [(completion.text.find(s), s) for s in params.stop if s in completion.text]:
-            cut, stop = min(hits)
-            completion.text, completion.finish_reason, completion.stop_reason = completion.text[:cut], FinishReason.STOP, stop
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            completion.finish_reason = FinishReason.LENGTH
+    def _finish_output(self, state: RequestState) -> RequestOutput | None:
+        output = state.make_output()
+        if state.finished:
+            del self.requests[state.request.request_id]
+            for seq in state.request.seqs:
+                del self._owner[seq.seq_id]
+        return output
+
+    def _record(self, scheduler_output: SchedulerOutput, seconds: dict[str, float]) -> None:
+        used = self.kv_cache_manager.num_used_blocks
+        self.stats.num_steps += 1
+        self.stats.num_prefill_tokens += scheduler_output.num_prefill_tokens
+        self.stats.num_decode_tokens += scheduler_output.num_decode_tokens
+        self.stats.batch_sizes.append(len(scheduler_output.scheduled_seqs))
+        self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, used)
+        self.stats.steps.append(
+            StepStats(
+                scheduler_output.num_prefill_tokens, scheduler_output.num_decode_tokens, len(self.scheduler.running),
+                len(self.scheduler.waiting), used, len(scheduler_output.preempted_seq_ids),
+                sum(scheduler_output.num_cached_tokens.values()), seconds,
+            )
+        )

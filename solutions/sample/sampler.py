@@ -1,34 +1,79 @@
-"""Pick each sequence's next token from its logits: greedy, or temperature + top-k + top-p sampling.
+"""From each row of logits to a next token, for the whole step at once.
 
-Where this lives in vLLM: `vllm/v1/sample/sampler.py` and `vllm/v1/sample/ops/topk_topp_sampler.py`.
+Greedy rows take the argmax. Sampled rows go through temperature, then the filters — top-k (keep the k most
+likely), top-p (keep the smallest set whose probability reaches p), min-p (drop tokens less likely than min_p
+times the most likely) — then draw one token. The filters run batched: every sampled row is sorted once, and
+each filter is a mask over the sorted rows with that row's own k, p and min_p.
+
+The draw is the one per-row part: each sequence owns a `torch.Generator`, so a seeded request draws the same
+uniform number whatever else shares the step, and picks its token by inverse CDF (the first token whose
+cumulative probability exceeds it). That is what makes a seeded request reproducible inside any batch.
+
+Where this lives in vLLM: `vllm/v1/sample/sampler.py`, `vllm/v1/sample/ops/topk_topp_sampler.py` (and min-p in
+`vllm/v1/sample/logits_processor/`).
 """
+
+from dataclasses import dataclass
 
 import torch
 
 from solutions.sampling_params import SamplingParams
 
 
-def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set to -inf every logit (V,) outside the top-k and outside the top-p nucleus."""
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)  # (V,)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)  # (V,)
-        drop_sorted = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p  # mass before token >= top_p
-        logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf"))
-    return logits
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Set to -inf every logit (B, V) outside its row's top-k, top-p nucleus or min-p floor.
+
+    top_k (B,) int (V keeps all), top_p (B,) float (1 keeps all), min_p (B,) float (0 keeps all). Top-p is taken
+    on the distribution left after top-k; min-p compares with the most likely token, which no filter removes,
+    so its place in the order does not matter.
+    """
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
+    rank = torch.arange(logits.shape[-1])[None, :]  # (1, V)
+    drop = rank >= top_k[:, None]  # (B, V) outside the top-k
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)  # (B, V)
+    mass_before = probs.cumsum(dim=-1) - probs  # (B, V) probability of the more likely tokens
+    drop |= mass_before >= top_p[:, None]  # the nucleus already holds top_p without this token
+    drop |= probs < min_p[:, None] * probs[:, :1]  # less likely than min_p times the most likely
+    return logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: list[int]  # one per row
+    logprobs: list[list[tuple[int, float]] | None]  # per row: the top `logprobs` (token, logprob), or None
+    sampled_logprobs: list[tuple[float, int]]  # per row: the sampled token's (logprob, rank among all tokens)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> SamplerOutput:
     """One next token per row of `logits` (B, V), row b drawn with params[b] and generators[b]."""
-    tokens = []
-    for row, p, generator in zip(logits, params, generators, strict=True):
-        if p.greedy:
-            tokens.append(int(row.argmax()))
-            continue
-        row = filter_top_k_top_p(row.float() / p.temperature, p.top_k, p.top_p)  # (V,)
-        probs = torch.softmax(row, dim=-1)  # (V,)
-        tokens.append(int(torch.multinomial(probs, 1, generator=generator)))
-    return tokens
+    logits = logits.float()
+    token_ids = logits.argmax(dim=-1)  # (B,) the greedy choice; sampled rows overwrite theirs
+    sampled = [b for b, p in enumerate(params) if not p.greedy]
+    if sampled:
+        rows = logits[sampled] / torch.tensor([params[b].temperature for b in sampled])[:, None]  # (Bs, V)
+        vocab_size = logits.shape[-1]
+        top_k = torch.tensor([params[b].top_k if params[b].top_k > 0 else vocab_size for b in sampled])
+        top_p = torch.tensor([float(params[b].top_p) for b in sampled])
+        min_p = torch.tensor([float(params[b].min_p) for b in sampled])
+        probs = torch.softmax(apply_top_k_top_p_min_p(rows, top_k, top_p, min_p), dim=-1)  # (Bs, V)
+        uniform = torch.stack([torch.rand((), generator=generators[b]) for b in sampled])  # (Bs,)
+        cdf = probs.cumsum(dim=-1)  # (Bs, V)
+        choice = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).squeeze(1)  # (Bs,)
+        token_ids[sampled] = choice.clamp(max=vocab_size - 1)  # guard the float edge u * total == total
+    token_list = token_ids.tolist()
+
+    logprobs: list[list[tuple[int, float]] | None] = [None] * len(params)
+    sampled_logprobs: list[tuple[float, int]] = [(0.0, 0)] * len(params)
+    wanted = [b for b, p in enumerate(params) if p.logprobs is not None]
+    if wanted:  # raw log-probabilities of the model, before temperature and filters (vLLM's default)
+        all_logprobs = torch.log_softmax(logits[wanted], dim=-1)  # (Bw, V)
+        for row, b in zip(all_logprobs, wanted, strict=True):
+            chosen = row[token_list[b]]
+            rank = int((row > chosen).sum()) + 1
+            sampled_logprobs[b] = (float(chosen), rank)
+            top = torch.topk(row, params[b].logprobs) if params[b].logprobs > 0 else None
+            logprobs[b] = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+    return SamplerOutput(token_list, logprobs, sampled_logprobs)

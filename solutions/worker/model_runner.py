@@ -1,36 +1,45 @@
-"""Turn a list of scheduled sequences into one flat model input, run it, and return next-token logits.
+"""Turn one scheduled step into one flat forward pass, and return the logits to sample from.
 
-For each sequence the new tokens are those whose K/V are not yet in the cache:
-`token_ids[num_computed_tokens:]` — the whole prompt at prefill, the one newest token at decode.
+The step's tokens — whole prompts, prompt chunks and single decode tokens alike — are concatenated into one
+flat batch of T tokens, with per-token metadata (position, cache slot) and per-sequence metadata (where its
+rows start, its context length, its block table). No padding to the longest sequence: every row is a real
+token. For sequence b the new tokens are `token_ids[num_computed_tokens : num_computed_tokens + n_b]`.
 
 Where this lives in vLLM: `vllm/v1/worker/gpu_model_runner.py` (`_prepare_inputs`, `execute_model`).
 """
 
 import torch
 
+from solutions.attention.paged import AttentionMetadata, KVCache, copy_blocks
+from solutions.attention.torch_backend import TorchAttentionBackend
 from solutions.core.block_manager import slot_mapping
+from solutions.core.sched.output import SchedulerOutput
 from solutions.model.llama import LlamaForCausalLM
-from solutions.attention.paged import AttentionMetadata, KVCache, PagedAttention
-from solutions.core.sequence import Sequence
+
+ATTENTION_BACKENDS = ("torch", "triton")
 
 
-def prepare_inputs(seqs: list[Sequence], block_size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """input_ids (T,), positions (T,) and the attention metadata for the new tokens of `seqs`, concatenated."""
+def prepare_inputs(
+    scheduler_output: SchedulerOutput, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """input_ids (T,), positions (T,) and the attention metadata of the step's scheduled tokens, concatenated."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     query_start_loc = [0]
-    for seq in seqs:
-        start, end = seq.num_computed_tokens, seq.num_tokens
+    seq_lens = []
+    for seq, num_new in zip(scheduler_output.scheduled_seqs, scheduler_output.num_scheduled_tokens, strict=True):
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
         input_ids += seq.token_ids[start:end]
         positions += range(start, end)
         slots += slot_mapping(seq.block_table, start, end, block_size)
-        query_start_loc.append(query_start_loc[-1] + end - start)
+        query_start_loc.append(query_start_loc[-1] + num_new)
+        seq_lens.append(end)  # the context each new token may see ends with the last new token
     metadata = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long),
         query_start_loc=torch.tensor(query_start_loc, dtype=torch.long),
-        seq_lens=torch.tensor([seq.num_tokens for seq in seqs], dtype=torch.long),
-        block_tables=[list(seq.block_table) for seq in seqs],
+        seq_lens=torch.tensor(seq_lens, dtype=torch.long),
+        block_tables=[seq.block_table for seq in scheduler_output.scheduled_seqs],
     )
     return torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), metadata
 
@@ -38,18 +47,29 @@ def prepare_inputs(seqs: list[Sequence], block_size: int) -> tuple[torch.Tensor,
 class ModelRunner:
     """Owns the model and the paged KV cache; one `execute_model` call is one forward pass."""
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, attention_backend: str = "torch") -> None:
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
         self.model, self.block_size = model, block_size
         self.kv_cache = KVCache.allocate(model.config, num_blocks, block_size)
+        if attention_backend == "triton":
+            from solutions.attention.triton_backend import TritonAttentionBackend  # imports Triton only when asked
 
-    def execute_model(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Write the new tokens' K/V and return the logits (B, V) at each sequence's last token.
+            self.backend_cls = TritonAttentionBackend
+        else:
+            self.backend_cls = TorchAttentionBackend
 
-        Marks those tokens computed: afterwards `num_computed_tokens == num_tokens` for every sequence.
+    def execute_model(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
+        """Apply the step's copy-on-write copies, write the new tokens' K/V, and return the logits (B, V) at each
+        scheduled sequence's last scheduled token (meaningless for a prompt chunk that is not the last).
+
+        Advances every scheduled sequence's `num_computed_tokens` by its scheduled tokens.
         """
-        input_ids, positions, metadata = prepare_inputs(seqs, self.block_size)
-        hidden = self.model(input_ids, positions, PagedAttention(self.kv_cache, metadata))  # (T, D_model)
+        if scheduler_output.blocks_to_copy:
+            copy_blocks(self.kv_cache, scheduler_output.blocks_to_copy)
+        input_ids, positions, metadata = prepare_inputs(scheduler_output, self.block_size)
+        hidden = self.model(input_ids, positions, self.backend_cls(self.kv_cache, metadata))  # (T, D_model)
         last_rows = metadata.query_start_loc[1:] - 1  # (B,) row of each sequence's last new token
-        for seq in seqs:
-            seq.num_computed_tokens = seq.num_tokens
+        for seq, num_new in zip(scheduler_output.scheduled_seqs, scheduler_output.num_scheduled_tokens, strict=True):
+            seq.num_computed_tokens += num_new
         return self.model.compute_logits(hidden[last_rows])  # (B, V)

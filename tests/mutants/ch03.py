@@ -12,6 +12,7 @@ from solutions.model.llama import LlamaForCausalLM
 from solutions.worker.model_runner import ModelRunner
 from solutions.attention.paged import AttentionMetadata, gather_kv
 from solutions.baselines.paged_generation import generate_paged
+from solutions.core.sched.output import SchedulerOutput
 from solutions.core.sequence import Sequence
 
 # --- FreeKVCacheBlockQueue ----------------------------------------------------------------------------------------
@@ -201,7 +202,7 @@ def generate_paged_skips_append_slot(
     for seq in seqs:
         block_manager.allocate(seq)
     for _ in range(max_new_tokens):
-        logits = runner.execute_model(seqs)
+        logits = runner.execute_model(SchedulerOutput(seqs, [s.num_tokens - s.num_computed_tokens for s in seqs]))
         for seq, token_id in zip(seqs, torch.argmax(logits, dim=-1).tolist(), strict=True):
             seq.append_token(token_id)
     return [seq.output_token_ids for seq in seqs]
@@ -229,7 +230,8 @@ def generate_paged_one_sequence_at_a_time(
         seq = Sequence(i, prompt)
         block_manager.allocate(seq)
         for _ in range(max_new_tokens):
-            seq.append_token(int(runner.execute_model([seq])[0].argmax()))
+            step = SchedulerOutput([seq], [seq.num_tokens - seq.num_computed_tokens])
+            seq.append_token(int(runner.execute_model(step)[0].argmax()))
             block_manager.append_slot(seq)
         outputs.append(seq.output_token_ids)  # the blocks are never freed: the next sequence finds none
     return outputs

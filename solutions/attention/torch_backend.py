@@ -1,0 +1,88 @@
+"""The engine's attention backend in plain PyTorch: one step's mixed batch, without a Python loop over decodes.
+
+Chapter 3's `paged_attention` gathers and attends one sequence at a time — clear, and the oracle this module is
+tested against, but with 64 decoding sequences and 30 layers it runs 1,920 small gathers per step. Here the
+step's sequences are split by query length:
+
+- decodes (one new token each — almost every sequence in a busy engine): all of them at once. One gather
+  through the padded block-table tensor fetches every sequence's K/V, `(Bd, L, Hkv, D)`; the queries of a GQA
+  group share their KV head without copying it (`(Bd, Hkv, G, D)` against `(Bd, L, Hkv, D)`); a length mask
+  hides each sequence's padding. The cost is the padding to the longest context in the batch.
+- prefills (a prompt, or a chunk of one): few per step and large, so one at a time is cheap relative to their
+  matmuls. A prefill with no earlier context attends to its own new K/V directly (nothing to gather); a later
+  chunk, or a prompt whose head was found in the prefix cache, gathers its context through its block table.
+
+Where this lives in vLLM: `vllm/v1/attention/backends/` (one backend per implementation, e.g. the CPU
+backend's split into prefill and decode metadata).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from solutions.attention.causal import causal_attention
+from solutions.attention.paged import AttentionMetadata, KVCache, gather_kv, write_to_kv_cache
+
+
+def batched_decode_attention(
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """One query per sequence, q (Bd, Hq, D), over each sequence's paged context -> (Bd, Hq, D).
+
+    `block_tables` (Bd, max_blocks) int, `seq_lens` (Bd,): sequence b attends to its first seq_lens[b] tokens.
+    """
+    Bd, Hq, D = q.shape
+    Hkv = key_cache.shape[2]
+    keys = key_cache[block_tables].flatten(1, 2)  # (Bd, L, Hkv, D), L = max_blocks * block_size
+    values = value_cache[block_tables].flatten(1, 2)  # (Bd, L, Hkv, D)
+    L = keys.shape[1]
+    q = q.view(Bd, Hkv, Hq // Hkv, D)  # (Bd, Hkv, G, D): the G query heads sharing each KV head
+    scores = torch.einsum("bhgd,blhd->bhgl", q, keys) * scale  # (Bd, Hkv, G, L)
+    padding = torch.arange(L)[None, :] >= seq_lens[:, None]  # (Bd, L) True past each sequence's end
+    scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # (Bd, Hkv, G, L)
+    return torch.einsum("bhgl,blhd->bhgd", probs, values).reshape(Bd, Hq, D)  # (Bd, Hq, D)
+
+
+class TorchAttentionBackend:
+    """Store the step's new K/V by slot mapping, then attend: decodes batched, prefills one by one."""
+
+    def __init__(self, kv_cache: KVCache, metadata: AttentionMetadata) -> None:
+        self.kv_cache, self.metadata = kv_cache, metadata
+        query_lens = (metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]).tolist()  # (B,)
+        self.decodes = [b for b, n in enumerate(query_lens) if n == 1]
+        self.prefills = [b for b, n in enumerate(query_lens) if n > 1]
+        decodes = torch.tensor(self.decodes, dtype=torch.long)
+        self.decode_rows = metadata.query_start_loc[decodes]  # (Bd,) row of each decode's token
+        self.decode_block_tables = metadata.block_table_tensor[decodes].long()  # (Bd, max_blocks)
+        self.decode_seq_lens = metadata.seq_lens[decodes]  # (Bd,)
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (T, Hq, D), k and v (T, Hkv, D) for the step's T new tokens -> (T, Hq, D)."""
+        key_cache, value_cache = self.kv_cache.key_caches[layer_idx], self.kv_cache.value_caches[layer_idx]
+        write_to_kv_cache(k, v, key_cache, value_cache, self.metadata.slot_mapping)
+        scale = q.shape[-1] ** -0.5
+        out = torch.empty_like(q)
+        if self.decodes:
+            out[self.decode_rows] = batched_decode_attention(
+                q[self.decode_rows], key_cache, value_cache, self.decode_block_tables, self.decode_seq_lens, scale
+            )
+        starts, seq_lens = self.metadata.query_start_loc.tolist(), self.metadata.seq_lens.tolist()
+        for b in self.prefills:
+            rows = slice(starts[b], starts[b + 1])
+            if seq_lens[b] == starts[b + 1] - starts[b]:  # no earlier context: attend to the new K/V only
+                out[rows] = causal_self_attention(q[rows], k[rows], v[rows], scale)
+            else:
+                block_table = self.metadata.block_tables[b]
+                keys, values = gather_kv(key_cache, block_table, seq_lens[b]), gather_kv(value_cache, block_table, seq_lens[b])
+                out[rows] = causal_attention(q[rows], keys, values, scale)
+        return out
+
+
+def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of T tokens to each other, q (T, Hq, D), k and v (T, Hkv, D) -> (T, Hq, D), with
+    PyTorch's fused kernel (it shares each KV head across its query group itself: `enable_gqa`)."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True
+    )  # (Hq, T, D)
+    return out.transpose(0, 1)  # (T, Hq, D)

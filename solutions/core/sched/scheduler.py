@@ -1,0 +1,159 @@
+"""The scheduler: which sequences compute how many tokens this step, under one token budget.
+
+There is no prefill phase and decode phase. Every sequence has `num_tokens` tokens, of which
+`num_computed_tokens` already have K/V in the cache; a step lets some of them catch up. A decoding sequence is
+one token behind, a new one is its whole prompt behind, a preempted one everything behind. So one rule serves
+all: give each sequence `min(tokens behind, budget left, long_prefill_token_threshold)` tokens, running
+sequences first (in the order they started), then waiting ones in the queue's order. A long prompt is thus
+prefilled in chunks over several steps while the running sequences keep decoding beside it (chunked prefill).
+
+When the KV cache manager has no block for a running sequence, the scheduler preempts by recompute: it frees
+the victim's blocks, resets it to 0 computed tokens and puts it back at the front of the waiting queue; its
+tokens are kept, so it resumes exactly where it was (prefix caching usually finds most of its blocks still
+there). The victim is the last sequence to start running (FCFS) or the lowest priority, latest arrival
+(PRIORITY). No waiting sequence is admitted in a step that preempted.
+
+Where this lives in vLLM: `vllm/v1/core/sched/scheduler.py` (`Scheduler.schedule`, `_preempt_request`).
+"""
+
+from solutions.core.kv_cache_manager import KVCacheManager
+from solutions.core.sched.output import SchedulerOutput
+from solutions.core.sched.request_queue import SchedulingPolicy, create_request_queue
+from solutions.core.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; `schedule()` decides one step.
+
+    Invariants: a sequence is in exactly one of `waiting`, `running` or neither (finished); every running
+    sequence holds blocks for at least its computed tokens; no sequence is admitted while
+    `len(running) >= max_num_seqs`.
+    """
+
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        long_prefill_token_threshold: int,
+        policy: SchedulingPolicy = SchedulingPolicy.FCFS,
+    ) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.policy = policy
+        self.waiting = create_request_queue(policy)
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0  # over the scheduler's life
+
+    def add_seq(self, seq: Sequence) -> None:
+        self.waiting.add(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sample forked from a running sequence starts running beside it (it may take the batch past
+        `max_num_seqs` by the request's `n - 1` until some finish)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def has_unfinished_seqs(self) -> bool:
+        return bool(self.waiting) or bool(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        copies: dict[int, list[tuple[int, int]]] = {}  # seq_id -> its copy-on-write copies this step
+
+        # Running sequences first, in the order they started running.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget, self.long_prefill_token_threshold)
+            assert num_new_tokens > 0, f"running sequence {seq.seq_id} has nothing to compute"
+            while (seq_copies := self.kv_cache_manager.allocate_slots(seq, num_new_tokens)) is None:
+                victim = self._choose_victim()
+                budget += self._unschedule(victim, out, copies)
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+                if self.running.index(seq) < index:  # the victim sat before `seq`: the list shifted left
+                    index -= 1
+            if seq.status is SequenceStatus.PREEMPTED:
+                continue  # `seq` itself was the victim; whatever followed it has moved into its place
+            self._add_to_batch(out, seq, num_new_tokens, seq_copies, copies)
+            budget -= num_new_tokens
+            index += 1
+
+        # Then waiting sequences, while there is budget, room in the batch and memory.
+        while not out.preempted_seq_ids and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting.peek()
+            computed_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(seq)
+            num_new_tokens = min(seq.num_tokens - num_cached_tokens, budget, self.long_prefill_token_threshold)
+            seq_copies = self.kv_cache_manager.allocate_slots(seq, num_new_tokens, computed_blocks)
+            if seq_copies is None:
+                break  # it waits for memory; FCFS order means nobody behind it jumps the line
+            self.waiting.pop()
+            (out.resumed_seq_ids if seq.status is SequenceStatus.PREEMPTED else out.new_seq_ids).append(seq.seq_id)
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = num_cached_tokens
+            out.num_cached_tokens[seq.seq_id] = num_cached_tokens
+            self.running.append(seq)
+            self._add_to_batch(out, seq, num_new_tokens, seq_copies, copies)
+            budget -= num_new_tokens
+
+        out.blocks_to_copy = [copy for seq in out.scheduled_seqs for copy in copies.get(seq.seq_id, [])]
+        return out
+
+    def _add_to_batch(
+        self, out: SchedulerOutput, seq: Sequence, num_new_tokens: int, seq_copies: list[tuple[int, int]],
+        copies: dict[int, list[tuple[int, int]]],
+    ) -> None:
+        out.scheduled_seqs.append(seq)
+        out.num_scheduled_tokens.append(num_new_tokens)
+        copies[seq.seq_id] = seq_copies
+        is_decode = num_new_tokens == 1 and seq.num_computed_tokens + 1 == seq.num_tokens and seq.num_output_tokens > 0
+        if is_decode:
+            out.num_decode_tokens += 1
+        else:
+            out.num_prefill_tokens += num_new_tokens
+
+    def _choose_victim(self) -> Sequence:
+        if self.policy is SchedulingPolicy.PRIORITY:
+            return max(self.running, key=lambda s: (s.priority, s.arrival, s.seq_id))
+        return self.running[-1]
+
+    def _unschedule(self, seq: Sequence, out: SchedulerOutput, copies: dict[int, list[tuple[int, int]]]) -> int:
+        """Take `seq` back out of this step's batch if it is already in it; return the budget it had taken."""
+        if seq not in out.scheduled_seqs:
+            return 0
+        position = out.scheduled_seqs.index(seq)
+        num_tokens = out.num_scheduled_tokens.pop(position)
+        out.scheduled_seqs.pop(position)
+        copies.pop(seq.seq_id, None)  # its copies' destinations are freed with the rest of its blocks
+        is_decode = num_tokens == 1 and seq.num_computed_tokens + 1 == seq.num_tokens and seq.num_output_tokens > 0
+        if is_decode:
+            out.num_decode_tokens -= 1
+        else:
+            out.num_prefill_tokens -= num_tokens
+        return num_tokens
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Preemption by recompute: free every block, forget the computed tokens, wait at the front."""
+        self.running.remove(seq)
+        self.kv_cache_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        self.waiting.prepend(seq)
+        out.preempted_seq_ids.append(seq.seq_id)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Take a finished or aborted sequence out of the queues and free its blocks, whatever its state."""
+        assert status.is_finished, f"{status} is not a finished state"
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
+            self.waiting.remove(seq)
+        self.kv_cache_manager.free(seq)
+        seq.status = status

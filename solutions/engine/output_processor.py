@@ -1,0 +1,151 @@
+"""The output processor: engine tokens in, user output out — text, stop strings, finish reasons, deltas.
+
+Detokenisation is incremental. Decoding a whole completion again after every token costs O(n²); decoding only
+the new token is wrong, because a byte-level BPE token may hold part of a UTF-8 character (the text would show
+"\ufffd") and a tokenizer's spacing depends on the token before. So each completion keeps two offsets into its
+tokens: text is decoded from `prefix_offset` (a few tokens of context) both up to `read_offset` and to the end,
+and the difference is the new text — emitted only once it no longer ends in a partial character.
+
+Stop strings are searched in the new text only (plus the last `len(stop) - 1` characters before it, where a stop
+string may have started), and the text is cut where the stop string begins.
+
+Where this lives in vLLM: `vllm/v1/engine/output_processor.py` (`OutputProcessor`, `RequestState`) and
+`vllm/v1/engine/detokenizer.py` (`IncrementalDetokenizer`, `check_stop_strings`).
+"""
+
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from solutions.engine.processor import Request
+from solutions.outputs import CompletionOutput, FinishReason, Logprob, RequestOutput
+from solutions.sampling_params import RequestOutputKind
+
+
+@dataclass
+class IncrementalDetokenizer:
+    """Turns one completion's tokens into text a few tokens at a time (see the module docstring)."""
+
+    tokenizer: PreTrainedTokenizerBase | None
+    token_ids: list[int] = field(default_factory=list)
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    def update(self, new_token_ids: list[int]) -> str:
+        """Add tokens; return the text they complete (possibly "" while a character is still partial)."""
+        self.token_ids += new_token_ids
+        if self.tokenizer is None:
+            return ""
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        full_text = decode(self.token_ids[self.prefix_offset :], skip_special_tokens=True)
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""  # nothing printable yet: wait for the rest of the character
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        return full_text[len(prefix_text) :]
+
+
+@dataclass
+class CompletionState:
+    index: int
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    num_sent_tokens: int = 0  # what earlier DELTA outputs already carried
+    num_sent_chars: int = 0
+    finish_sent: bool = False
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.detokenizer.token_ids
+
+
+def check_stop_strings(text: str, num_new_chars: int, stop: list[str]) -> tuple[str, int] | None:
+    """The first stop string in `text` that ends within its last `num_new_chars` characters: (it, where it starts)."""
+    hits = []
+    for s in stop:
+        position = text.find(s, max(0, len(text) - num_new_chars - len(s) + 1))
+        if position != -1:
+            hits.append((position, s))
+    if not hits:
+        return None
+    position, s = min(hits)
+    return s, position
+
+
+class RequestState:
+    """Everything the output processor keeps for one request until it finishes."""
+
+    def __init__(self, request: Request, tokenizer: PreTrainedTokenizerBase | None) -> None:
+        self.request = request
+        self.tokenizer = tokenizer
+        self.completions = [CompletionState(i, IncrementalDetokenizer(tokenizer)) for i in range(request.params.n)]
+        if request.params.logprobs is not None:
+            for completion in self.completions:
+                completion.logprobs, completion.cumulative_logprob = [], 0.0
+        self.num_cached_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
+
+    def add_token(
+        self, index: int, token_id: int, top_logprobs: list[tuple[int, float]] | None, sampled_logprob: tuple[float, int]
+    ) -> str | None:
+        """Record sample `index`'s new token; return the stop string it completed, if any."""
+        completion = self.completions[index]
+        new_text = completion.detokenizer.update([token_id])
+        completion.text += new_text
+        if completion.logprobs is not None:
+            logprob, rank = sampled_logprob
+            entry = {t: Logprob(lp, r + 1, self._decode(t)) for r, (t, lp) in enumerate(top_logprobs or [])}
+            entry.setdefault(token_id, Logprob(logprob, rank, self._decode(token_id)))
+            completion.logprobs.append(entry)
+            completion.cumulative_logprob += logprob
+        stop = self.request.params.stop
+        if stop and new_text and (hit := check_stop_strings(completion.text, len(new_text), stop)):
+            stop_string, position = hit
+            completion.text = completion.text[:position]
+            return stop_string
+        return None
+
+    def _decode(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    def finish(self, index: int, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        completion = self.completions[index]
+        if completion.finish_reason is None:
+            completion.finish_reason, completion.stop_reason = reason, stop_reason
+
+    def make_output(self) -> RequestOutput | None:
+        """This step's output for the request, by its output kind; None when there is nothing to report."""
+        request = self.request
+        final_only = request.params.output_kind is RequestOutputKind.FINAL_ONLY
+        if final_only and not self.finished:
+            return None
+        # While a sample runs, hold back the text a stop string could still start in: it may yet be cut.
+        hold_back = max((len(s) for s in request.params.stop), default=1) - 1
+        outputs = []
+        for c in self.completions:
+            if c.finish_sent:
+                continue
+            start, chars = (0, 0) if final_only else (c.num_sent_tokens, c.num_sent_chars)
+            if len(c.token_ids) == start and c.finish_reason is None:
+                continue  # nothing new for this sample
+            text_end = len(c.text) if c.finish_reason is not None else max(chars, len(c.text) - hold_back)
+            outputs.append(
+                CompletionOutput(
+                    c.index, c.text[chars:text_end], c.token_ids[start:], c.finish_reason, c.stop_reason,
+                    c.cumulative_logprob, None if c.logprobs is None else c.logprobs[start:],
+                )
+            )
+            c.num_sent_tokens, c.num_sent_chars = len(c.token_ids), text_end
+            c.finish_sent = c.finish_reason is not None
+        if not outputs:
+            return None
+        return RequestOutput(
+            request.request_id, request.prompt, request.prompt_token_ids, outputs, self.finished, self.num_cached_tokens
+        )
