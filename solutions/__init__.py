@@ -5,8 +5,9 @@
     llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=32))
 """
 
+from solutions.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from solutions.llm import LLM
 from solutions.outputs import CompletionOutput, FinishReason, RequestOutput
 from solutions.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "FinishReason"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "RequestOutput", "CompletionOutput", "FinishReason"]

@@ -1,0 +1,205 @@
+"""Beam search over the paged KV cache: beams are sequences that share blocks.
+
+Each step, every live beam proposes its continuations; of all (beam, token) candidates the `beam_width` with
+the highest cumulative logprob survive. A survivor *forks* its parent (its block table is the parent's, every
+block's `ref_cnt` + 1) and appends its token; then every parent is freed. A parent with two survivors therefore
+keeps its blocks (shared), a parent with none gives them back, and the shared partial last block is copied on
+write when the survivors write their next token into it. That is why beam search saves so much memory with
+paging (the paper's §4.5 and §6.3): beams share most of their history.
+
+The ranking is the textbook algorithm Hugging Face `generate(num_beams=k)` implements: candidates ranked by
+cumulative logprob every step (the top 2k tokens of the flattened (beams × vocab) scores, so that up to k of
+them may end in EOS and k live ones still remain); a candidate ending in EOS (if not ignored) among the first
+k is set aside as finished; the search of a prompt ends once `beam_width` beams have finished (HF's
+`early_stopping=True`) or after `max_tokens` tokens. Only then is the length penalty applied, to rank finished
+and live beams together, with vLLM's score `cum_logprob / len ** length_penalty` (len counts the prompt, and
+not a final EOS). vLLM 0.32's offline `beam_search` applies that penalised score every step instead, which can
+drop a beam HF keeps.
+
+Where this lives in vLLM: `vllm/beam_search.py` (`BeamSearchSequence`, `BeamSearchOutput`,
+`get_beam_search_score`), `vllm/sampling_params.py` (`BeamSearchParams`) and `LLM.beam_search` in
+`vllm/entrypoints/llm.py`, which runs outside the engine core as this one does.
+"""
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from solutions.core.kv_cache_manager import KVCacheManager
+from solutions.core.sched.output import SchedulerOutput
+from solutions.core.sequence import Sequence
+from solutions.outputs import FinishReason
+
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    """`beam_width` beams per prompt, at most `max_tokens` new tokens each (greedy: width 1)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    length_penalty: float = 1.0  # > 1 favours longer finished beams, < 1 shorter ones
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, int | float):
+            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+
+
+@dataclass(slots=True)
+class BeamSearchSequence:
+    """One beam: `tokens` (prompt + generated), each generated token's `logprobs`, their sum `cum_logprob`."""
+
+    tokens: list[int]
+    logprobs: list[float] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    """The beams of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+@dataclass(slots=True)
+class Beam:
+    """A beam during the search: its engine sequence (holding blocks while live) and its scores."""
+
+    seq: Sequence
+    cum_logprob: float = 0.0
+    logprobs: list[float] = field(default_factory=list)
+
+
+def get_beam_search_score(tokens: list[int], cum_logprob: float, eos_token_id: int | None, length_penalty: float) -> float:
+    """vLLM's ranking score: the cumulative logprob over the length (prompt included, a final EOS not)."""
+    seq_len = len(tokens) - (1 if eos_token_id is not None and tokens[-1] == eos_token_id else 0)
+    return cum_logprob / (seq_len**length_penalty)
+
+
+def beam_search_step(
+    manager: KVCacheManager,
+    beams: list[Beam],
+    logprobs: torch.Tensor,
+    beam_width: int,
+    eos_token_id: int | None,
+    seq_ids: Iterator[int],
+) -> tuple[list[Beam], list[Beam]]:
+    """One step for one prompt: choose the surviving candidates, fork them from their parents, free the parents.
+
+    `logprobs` (B, V) are the next-token logprobs of `beams` (B live beams). Returns (live, finished): at most
+    `beam_width` live beams, best first, each a forked sequence holding its parent's blocks plus its new
+    token; and the beams that ended in `eos_token_id` (None: EOS ignored) among the first `beam_width`
+    candidates — those hold no blocks. Afterwards the parents hold no blocks.
+    """
+    num_beams, vocab_size = logprobs.shape
+    if num_beams != len(beams):
+        raise ValueError(f"logprobs has {num_beams} rows for {len(beams)} beams")
+    cum = torch.tensor([beam.cum_logprob for beam in beams], dtype=torch.float32)  # (B,)
+    scores = (cum[:, None] + logprobs.float()).flatten()  # (B * V,) in float32, as HF adds them
+    top_scores, top_ids = scores.topk(min(2 * beam_width, scores.numel()))  # best first
+    live: list[Beam] = []
+    finished: list[Beam] = []
+    for rank, (score, flat_id) in enumerate(zip(top_scores.tolist(), top_ids.tolist(), strict=True)):
+        parent, token_id = divmod(flat_id, vocab_size)
+        is_eos = token_id == eos_token_id
+        if is_eos and rank >= beam_width:
+            continue  # an EOS below the top beam_width candidates is not a finished beam (HF's rule)
+        child = beams[parent].seq.fork(next(seq_ids))
+        if not is_eos:
+            manager.fork(beams[parent].seq, child)  # shares every block; a finished beam needs none
+        child.append_token(token_id)
+        token_logprob = float(logprobs[parent, token_id])
+        (finished if is_eos else live).append(Beam(child, score, beams[parent].logprobs + [token_logprob]))
+        if len(live) == beam_width:
+            break
+    for beam in beams:
+        manager.free(beam.seq)
+    return live, finished
+
+
+def run_beam_search(
+    manager: KVCacheManager,
+    model_runner,
+    prompts: list[list[int]],
+    params: BeamSearchParams,
+    eos_token_id: int | None,
+    max_model_len: int,
+    seq_ids: Iterator[int] | None = None,
+    on_step=None,
+) -> list[list[BeamSearchSequence]]:
+    """Beam search for every prompt at once, one forward pass per step for all live beams of all prompts.
+
+    Drives `manager` and `model_runner` directly (no scheduler): each step allocates slots for every live beam
+    (its prompt at the first step, with prefix hits; then its newest token), gathers the copy-on-write copies
+    and runs one forward pass. `on_step(manager, beams)` is called after each step's allocation (for memory
+    measurements). Returns, per prompt, its beams best first (text not filled in). Raises ValueError if the
+    KV cache cannot hold the beams.
+    """
+    seq_ids = itertools.count() if seq_ids is None else seq_ids
+    eos = None if params.ignore_eos else eos_token_id
+    live: list[list[Beam]] = [[Beam(Sequence(next(seq_ids), list(prompt)))] for prompt in prompts]
+    done: list[list[Beam]] = [[] for _ in prompts]
+    try:
+        for _ in range(params.max_tokens):
+            active = [p for p in range(len(prompts)) if live[p] and len(done[p]) < params.beam_width]
+            if not active:
+                break
+            batch = [beam for p in active for beam in live[p]]
+            scheduler_output = SchedulerOutput()
+            for beam in batch:
+                seq = beam.seq
+                hits, num_cached = manager.get_computed_blocks(seq) if not seq.block_table else ([], 0)
+                num_new = seq.num_tokens - seq.num_computed_tokens - num_cached
+                copies = manager.allocate_slots(seq, num_new, hits)
+                if copies is None:
+                    raise ValueError(
+                        f"the KV cache ({manager.num_blocks} blocks of {manager.block_size}) cannot hold "
+                        f"{len(batch)} beams; raise num_kv_blocks or lower beam_width"
+                    )
+                seq.num_computed_tokens += num_cached
+                scheduler_output.scheduled_seqs.append(seq)
+                scheduler_output.num_scheduled_tokens.append(num_new)
+                scheduler_output.blocks_to_copy.extend(copies)
+            if on_step is not None:
+                on_step(manager, batch)
+            logits = model_runner.execute_model(scheduler_output)  # (B, V)
+            logprobs = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
+            row = 0
+            for p in active:
+                rows = logprobs[row : row + len(live[p])]
+                row += len(live[p])
+                live[p], finished = beam_search_step(manager, live[p], rows, params.beam_width, eos, seq_ids)
+                done[p].extend(finished)
+                if any(beam.seq.num_tokens >= max_model_len for beam in live[p]):
+                    for beam in live[p]:
+                        manager.free(beam.seq)
+                    done[p].extend(live[p])
+                    live[p] = []
+    finally:
+        for beams in live:
+            for beam in beams:
+                manager.free(beam.seq)
+    results = []
+    for p, prompt in enumerate(prompts):
+        candidates = [
+            BeamSearchSequence(
+                tokens=beam.seq.token_ids,
+                logprobs=beam.logprobs,
+                cum_logprob=beam.cum_logprob,
+                finish_reason=FinishReason.STOP if eos is not None and beam.seq.last_token_id == eos else FinishReason.LENGTH,
+            )
+            for beam in (done[p] if len(done[p]) >= params.beam_width else done[p] + live[p])
+        ]
+        candidates.sort(key=lambda s: get_beam_search_score(s.tokens, s.cum_logprob, eos, params.length_penalty), reverse=True)
+        results.append(candidates[: params.beam_width])
+    return results
