@@ -30,6 +30,13 @@ from kernels.paged_decode import (  # noqa: E402
 )
 from kernels.unified_attention import unified_attention, unified_attention_kernel, unified_attention_reference  # noqa: E402
 
+# In the interpreter a kernel object reports Triton's module as its own; name the module that defines it, so that
+# `from <kernel.__module__> import <kernel.__name__>` finds it (chapter notebooks import the reference that way).
+for _module in ("kv_store", "paged_decode", "unified_attention"):
+    for _kernel in vars(__import__(f"kernels.{_module}", fromlist=["_"])).values():
+        if getattr(_kernel, "__module__", None) == "triton.runtime.interpreter":
+            _kernel.__module__ = f"kernels.{_module}"
+
 __all__ = [
     "choose_num_splits",
     "kv_store_kernel",

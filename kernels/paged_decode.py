@@ -213,14 +213,15 @@ def merge_splits_kernel(
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """How many segments to cut each context into: enough programs to give every SM about two, never a
-    segment shorter than MIN_TOKENS_PER_SPLIT, a power of two (each value compiles its own kernel), at most 16.
+    """How many segments to cut each context into: enough programs to give every SM about two (one wave
+    leaves the SMs that finish first idle while the last programs run), never a segment shorter than
+    MIN_TOKENS_PER_SPLIT, a power of two (each value compiles its own kernel), at most 16.
 
-    Unsplit already fills the device when num_seqs * num_kv_heads >= num_sms: splitting would only add the
-    merge's traffic. Short contexts are not worth splitting either.
+    No split once num_seqs * num_kv_heads >= 2 * num_sms: the grid already fills the device, and splitting would
+    only add the merge's traffic. Short contexts are not worth splitting either.
     """
     programs = num_seqs * num_kv_heads
-    if programs >= num_sms:
+    if programs >= 2 * num_sms:
         return 1
     by_occupancy = triton.cdiv(2 * num_sms, programs)
     by_length = max_seq_len // MIN_TOKENS_PER_SPLIT

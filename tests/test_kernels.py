@@ -322,8 +322,8 @@ def test_store_and_unified_wrappers_name_the_bad_argument():
 @pytest.mark.parametrize(
     "num_seqs, num_kv_heads, max_seq_len, num_sms, expected",
     [
-        (64, 8, 2048, 132, 1),  # 512 programs already fill 132 SMs
-        (64, 3, 2048, 132, 1),  # 192 programs: more than the SMs
+        (64, 8, 2048, 132, 1),  # 512 programs: about four per SM already
+        (64, 3, 2048, 132, 2),  # 192 programs: one wave and a half on 132 SMs; two segments each
         (8, 8, 8192, 132, 4),  # 64 programs: about two per SM needs 4 segments
         (1, 8, 8192, 132, 16),  # one sequence: as many segments as allowed
         (1, 8, 300, 132, 1),  # too short to be worth a segment of its own

@@ -146,11 +146,10 @@ def decode_case(lengths, block_size=16, num_kv_heads=2, group=4, head_dim=32, dt
 
 
 def run_decode(impl, args, num_splits: int, exercise: str, inputs: str) -> torch.Tensor:
-    kernels_under_test = {
-        "paged_decode_kernel": dict(decode_kernel=impl.paged_decode_kernel),
-        "paged_decode_split_kernel": dict(split_kernel=impl.paged_decode_split_kernel),
-        "merge_splits_kernel": dict(merge_kernel=impl.merge_splits_kernel),
-    }[exercise]
+    # only the exercise's own kernel comes from `impl`: the others are the reference's (maybe not written yet)
+    keyword = {"paged_decode_kernel": "decode_kernel", "paged_decode_split_kernel": "split_kernel",
+               "merge_splits_kernel": "merge_kernel"}[exercise]
+    kernels_under_test = {keyword: getattr(impl, exercise)}
     with launching(exercise, inputs):
         return paged_decode_attention(*args, num_splits=num_splits, **kernels_under_test)
 
