@@ -5,10 +5,11 @@
         for output in engine.step():   # what each request produced in this step
             ...
 
-A step is three stages, each owned by one object:
+A step (`engine_step`, at the bottom) is three stages, each owned by one object:
     schedule     Scheduler.schedule()            which sequences compute how many tokens (and what is preempted)
     execute      ModelRunner.execute_model()      one forward pass over the flattened batch → logits
-    postprocess  sample, check stops, fork `n > 1` samples, free the finished, detokenise (OutputProcessor)
+    postprocess  pick each finished sequence's row, fork `n > 1` samples, sample, check stops, free the
+                 finished, detokenise (OutputProcessor)
 
 Where this lives in vLLM: `vllm/v1/engine/llm_engine.py` (`add_request`, `step`, `abort_request`), with the
 engine core's step in `vllm/v1/engine/core.py` (`EngineCore.step`) and `Scheduler.update_from_output`.
@@ -31,7 +32,7 @@ from solutions.engine.output_processor import RequestState
 from solutions.engine.processor import Processor, Request
 from solutions.model.llama import LlamaForCausalLM
 from solutions.outputs import FinishReason, RequestOutput
-from solutions.sample.sampler import sample
+from solutions.sample.sampler import SamplerOutput, sample
 from solutions.sampling_params import SamplingParams
 from solutions.worker.model_runner import ModelRunner
 
@@ -100,6 +101,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self.stats = EngineStats()
+        self._seconds: dict[str, float] = {}  # the current step's seconds per stage
 
     # --- requests in and out ---------------------------------------------------------------------------------
 
@@ -148,58 +150,72 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    # --- one step --------------------------------------------------------------------------------------------
+    # --- one step: `engine_step(self)`, made of the stages below ------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, postprocess; return the outputs this step produced."""
-        t0 = time.perf_counter()
-        scheduler_output = self.scheduler.schedule()
-        t1 = time.perf_counter()
-        logits = self.model_runner.execute_model(scheduler_output) if scheduler_output.scheduled_seqs else None
-        t2 = time.perf_counter()
-        touched, seconds_sampling = self._sample_and_append(scheduler_output, logits)
-        outputs = [output for state in touched if (output := self._finish_output(state)) is not None]
-        t3 = time.perf_counter()
-        self._record(scheduler_output, {"schedule": t1 - t0, "execute": t2 - t1, "sample": seconds_sampling,
-                                        "postprocess": t3 - t2 - seconds_sampling})
-        return outputs
+        return engine_step(self)
 
-    def _sample_and_append(
-        self, scheduler_output: SchedulerOutput, logits: torch.Tensor | None
-    ) -> tuple[list[RequestState], float]:
-        """Sample for every sequence whose tokens are all computed now, fork `n > 1` requests whose prompt just
-        finished, append the tokens, check stop conditions. Returns the requests touched and the sampling time."""
-        for seq_id, num_cached in scheduler_output.num_cached_tokens.items():
-            state, index = self._owner[seq_id]
-            if index == 0 and seq_id in scheduler_output.new_seq_ids:
-                state.num_cached_tokens = num_cached
-        rows, seqs = [], []
-        for row, seq in enumerate(scheduler_output.scheduled_seqs):
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue  # a prompt chunk that is not the last: nothing to sample yet
-            state, _ = self._owner[seq.seq_id]
-            if not state.request.forked:  # n > 1: the prompt is prefilled once, then shared by n samples
-                for _ in range(state.request.params.n - 1):
-                    child = seq.fork(next(self._seq_ids))
-                    self.kv_cache_manager.fork(seq, child)
-                    self.scheduler.add_running(child)
-                    self._owner[child.seq_id] = (state, len(state.request.seqs))
-                    state.request.seqs.append(child)
-                    rows.append(row)
-                    seqs.append(child)
-            rows.append(row)
-            seqs.append(seq)
-        if not seqs:
-            return [], 0.0
+    def schedule(self) -> SchedulerOutput:
+        """Stage 1: the scheduler decides which sequences compute how many tokens (and what is preempted)."""
+        start = time.perf_counter()
+        self._seconds = dict.fromkeys(("schedule", "execute", "sample", "postprocess"), 0.0)  # a step starts here
+        scheduler_output = self.scheduler.schedule()
+        self._seconds["schedule"] += time.perf_counter() - start
+        return scheduler_output
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
+        """Stage 2: one forward pass over the flattened batch -> logits (B, V), row b at sequence b's last
+        scheduled token (an empty (0, V) when nothing is scheduled)."""
+        start = time.perf_counter()
+        if scheduler_output.scheduled_seqs:
+            logits = self.model_runner.execute_model(scheduler_output)  # (B, V)
+        else:
+            logits = torch.empty(0, self.model.config.vocab_size)  # (0, V)
+        self._seconds["execute"] += time.perf_counter() - start
+        return logits
+
+    def fork_samples(self, seq: Sequence) -> list[Sequence]:
+        """The sequences that sample from `seq`'s logits row this step: `seq` alone, or — the first time the
+        prompt of an `n > 1` request is complete — its n - 1 new siblings (sharing its blocks), then `seq`."""
+        start = time.perf_counter()
+        state, _ = self._owner[seq.seq_id]
+        seqs = []
+        if not state.request.forked:  # n > 1: the prompt is prefilled once, then shared by n samples
+            for _ in range(state.request.params.n - 1):
+                child = seq.fork(next(self._seq_ids))
+                self.kv_cache_manager.fork(seq, child)
+                self.scheduler.add_running(child)
+                self._owner[child.seq_id] = (state, len(state.request.seqs))
+                state.request.seqs.append(child)
+                seqs.append(child)
+        self._seconds["postprocess"] += time.perf_counter() - start
+        return [*seqs, seq]
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """Stage 3a: one token per row of `logits` (N, V), row i for `seqs[i]` with its request's parameters
+        and its own generator."""
         start = time.perf_counter()
         owners = [self._owner[seq.seq_id] for seq in seqs]
         params = [state.request.params for state, _ in owners]
         generators = [state.request.generators[index] for state, index in owners]
-        sampled = sample(logits[rows], params, generators)  # (rows may repeat: n samples of one prompt)
-        seconds = time.perf_counter() - start
+        sampled = sample(logits, params, generators) if seqs else SamplerOutput([], [], [])
+        self._seconds["sample"] += time.perf_counter() - start
+        return sampled
 
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, seqs: list[Sequence], sampled: SamplerOutput
+    ) -> list[RequestOutput]:
+        """Stage 3b: append `sampled`'s token i to `seqs[i]`, check stop conditions, free the finished,
+        detokenise; return the step's outputs (and record the step's statistics)."""
+        start = time.perf_counter()
+        for seq_id, num_cached in scheduler_output.num_cached_tokens.items():
+            state, index = self._owner[seq_id]
+            if index == 0 and seq_id in scheduler_output.new_seq_ids:
+                state.num_cached_tokens = num_cached
         touched: dict[str, RequestState] = {}
-        for b, (seq, (state, index)) in enumerate(zip(seqs, owners, strict=True)):
+        for b, seq in enumerate(seqs):
+            state, index = self._owner[seq.seq_id]
             token_id = sampled.sampled_token_ids[b]
             seq.append_token(token_id)
             stop_string = state.add_token(index, token_id, sampled.logprobs[b], sampled.sampled_logprobs[b])
@@ -211,7 +227,10 @@ class LLMEngine:
                 self.scheduler.finish(seq, status)
                 state.finish(index, _FINISH_REASONS[status], stop_reason)
             touched[state.request.request_id] = state
-        return list(touched.values()), seconds
+        outputs = [output for state in touched.values() if (output := self._finish_output(state)) is not None]
+        self._seconds["postprocess"] += time.perf_counter() - start
+        self._record(scheduler_output, self._seconds)
+        return outputs
 
     def _finish_output(self, state: RequestState) -> RequestOutput | None:
         output = state.make_output()
@@ -235,3 +254,24 @@ class LLMEngine:
                 sum(scheduler_output.num_cached_tokens.values()), seconds,
             )
         )
+
+
+def engine_step(engine: LLMEngine) -> list[RequestOutput]:
+    """One engine step over one flattened batch: schedule → execute → sample → postprocess.
+
+    The model returns one row of logits per scheduled sequence, at its last scheduled token. Only a sequence
+    whose tokens are now all computed samples from it: a prompt chunk that is not the last predicts nothing
+    anyone asked for. So the rows sampled are not simply the first ones — keep each sequence's own row.
+    """
+    scheduler_output = engine.schedule()
+    logits = engine.execute_model(scheduler_output)  # (B, V)
+    rows: list[int] = []
+    seqs: list[Sequence] = []
+    for row, seq in enumerate(scheduler_output.scheduled_seqs):
+        if seq.num_computed_tokens < seq.num_tokens:
+            continue  # a prompt chunk that is not the last: nothing to sample yet
+        for sample_seq in engine.fork_samples(seq):  # n > 1: the siblings share the row
+            rows.append(row)
+            seqs.append(sample_seq)
+    sampled = engine.sample(logits[rows], seqs)  # (N, V) -> N tokens (rows may repeat)
+    return engine.update_from_output(scheduler_output, seqs, sampled)

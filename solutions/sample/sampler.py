@@ -2,8 +2,8 @@
 
 Greedy rows take the argmax. Sampled rows go through temperature, then the filters — top-k (keep the k most
 likely), top-p (keep the smallest set whose probability reaches p), min-p (drop tokens less likely than min_p
-times the most likely) — then draw one token. The filters run batched: every sampled row is sorted once, and
-each filter is a mask over the sorted rows with that row's own k, p and min_p.
+times the most likely) — then draw one token. The filters run batched, each a mask over all sampled rows
+with that row's own k, p and min_p (top-k and top-p each sort the rows; min-p needs no sort).
 
 The draw is the one per-row part: each sequence owns a `torch.Generator`, so a seeded request draws the same
 uniform number whatever else shares the step, and picks its token by inverse CDF (the first token whose
@@ -20,6 +20,38 @@ import torch
 from solutions.sampling_params import SamplingParams
 
 
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every logit (B, V) outside its row's k most likely; top_k (B,) int (V keeps all)."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
+    rank = torch.arange(logits.shape[-1])[None, :]  # (1, V)
+    drop = rank >= top_k[:, None]  # (B, V) in sorted order: outside the top-k
+    return logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's nucleus: the most likely tokens whose probability first reaches top_p (B,) (1 keeps all).
+
+    A token stays if the tokens more likely than it hold less than top_p, so the most likely always stays,
+    and so does the token that crosses top_p. Logits (B, V) in, logits with the rest set to -inf out.
+    """
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
+    probs = torch.softmax(sorted_logits, dim=-1)  # (B, V)
+    mass_before = probs.cumsum(dim=-1) - probs  # (B, V) probability of the more likely tokens
+    drop = mass_before >= top_p[:, None]  # (B, V) the nucleus already holds top_p without this token
+    return logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop every token less likely than min_p (B,) times its row's most likely token (0 keeps all).
+
+    A floor that scales with the model's confidence: a peaked distribution keeps few tokens, a flat one many.
+    Logits (B, V) in, logits with the dropped tokens set to -inf out.
+    """
+    probs = torch.softmax(logits, dim=-1)  # (B, V)
+    drop = probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values  # (B, V)
+    return logits.masked_fill(drop, float("-inf"))
+
+
 def apply_top_k_top_p_min_p(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> torch.Tensor:
@@ -29,15 +61,7 @@ def apply_top_k_top_p_min_p(
     on the distribution left after top-k; min-p compares with the most likely token, which no filter removes,
     so its place in the order does not matter.
     """
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
-    rank = torch.arange(logits.shape[-1])[None, :]  # (1, V)
-    drop = rank >= top_k[:, None]  # (B, V) outside the top-k
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    probs = torch.softmax(sorted_logits, dim=-1)  # (B, V)
-    mass_before = probs.cumsum(dim=-1) - probs  # (B, V) probability of the more likely tokens
-    drop |= mass_before >= top_p[:, None]  # the nucleus already holds top_p without this token
-    drop |= probs < min_p[:, None] * probs[:, :1]  # less likely than min_p times the most likely
-    return logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    return apply_min_p(apply_top_p(apply_top_k(logits, top_k), top_p), min_p)
 
 
 @dataclass

@@ -13,6 +13,10 @@ tokens are kept, so it resumes exactly where it was (prefix caching usually find
 there). The victim is the last sequence to start running (FCFS) or the lowest priority, latest arrival
 (PRIORITY). No waiting sequence is admitted in a step that preempted.
 
+The module is split so that each idea can be read (and, in chapter 5, written) on its own: `SchedulerBase`
+holds the queues and the bookkeeping, `preempt` is preemption by recompute, and `Scheduler` adds the one
+method that decides a step, `schedule`.
+
 Where this lives in vLLM: `vllm/v1/core/sched/scheduler.py` (`Scheduler.schedule`, `_preempt_request`).
 """
 
@@ -22,8 +26,8 @@ from solutions.core.sched.request_queue import SchedulingPolicy, create_request_
 from solutions.core.sequence import Sequence, SequenceStatus
 
 
-class Scheduler:
-    """Owns the waiting queue and the running list; `schedule()` decides one step.
+class SchedulerBase:
+    """Owns the waiting queue and the running list, and the helpers `schedule()` is written with.
 
     Invariants: a sequence is in exactly one of `waiting`, `running` or neither (finished); every running
     sequence holds blocks for at least its computed tokens; no sequence is admitted while
@@ -40,12 +44,12 @@ class Scheduler:
         policy: SchedulingPolicy = SchedulingPolicy.FCFS,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.max_num_seqs = max_num_seqs  # at most this many sequences running at once
+        self.max_num_batched_tokens = max_num_batched_tokens  # the token budget of one step
+        self.long_prefill_token_threshold = long_prefill_token_threshold  # at most this many tokens per sequence per step
         self.policy = policy
         self.waiting = create_request_queue(policy)
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # in the order they started running
         self.num_preemptions = 0  # over the scheduler's life
 
     def add_seq(self, seq: Sequence) -> None:
@@ -60,65 +64,50 @@ class Scheduler:
     def has_unfinished_seqs(self) -> bool:
         return bool(self.waiting) or bool(self.running)
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        copies: dict[int, list[tuple[int, int]]] = {}  # seq_id -> its copy-on-write copies this step
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Take a finished or aborted sequence out of the queues and free its blocks, whatever its state."""
+        assert status.is_finished, f"{status} is not a finished state"
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
+            self.waiting.remove(seq)
+        self.kv_cache_manager.free(seq)
+        seq.status = status
 
-        # Running sequences first, in the order they started running.
-        index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
-            num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget, self.long_prefill_token_threshold)
-            assert num_new_tokens > 0, f"running sequence {seq.seq_id} has nothing to compute"
-            while (seq_copies := self.kv_cache_manager.allocate_slots(seq, num_new_tokens)) is None:
-                victim = self._choose_victim()
-                budget += self._unschedule(victim, out, copies)
-                self._preempt(victim, out)
-                if victim is seq:
-                    break
-                if self.running.index(seq) < index:  # the victim sat before `seq`: the list shifted left
-                    index -= 1
-            if seq.status is SequenceStatus.PREEMPTED:
-                continue  # `seq` itself was the victim; whatever followed it has moved into its place
-            self._add_to_batch(out, seq, num_new_tokens, seq_copies, copies)
-            budget -= num_new_tokens
-            index += 1
+    # --- helpers for schedule() ----------------------------------------------------------------------------------
 
-        # Then waiting sequences, while there is budget, room in the batch and memory.
-        while not out.preempted_seq_ids and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting.peek()
-            computed_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(seq)
-            num_new_tokens = min(seq.num_tokens - num_cached_tokens, budget, self.long_prefill_token_threshold)
-            seq_copies = self.kv_cache_manager.allocate_slots(seq, num_new_tokens, computed_blocks)
-            if seq_copies is None:
-                break  # it waits for memory; FCFS order means nobody behind it jumps the line
-            self.waiting.pop()
-            (out.resumed_seq_ids if seq.status is SequenceStatus.PREEMPTED else out.new_seq_ids).append(seq.seq_id)
-            seq.status = SequenceStatus.RUNNING
-            seq.num_computed_tokens = num_cached_tokens
-            out.num_cached_tokens[seq.seq_id] = num_cached_tokens
-            self.running.append(seq)
-            self._add_to_batch(out, seq, num_new_tokens, seq_copies, copies)
-            budget -= num_new_tokens
+    def _allocate_or_preempt(
+        self, seq: Sequence, num_new_tokens: int, out: SchedulerOutput, copies: dict[int, list[tuple[int, int]]]
+    ) -> tuple[list[tuple[int, int]] | None, int]:
+        """Room for a running `seq`'s next `num_new_tokens`, preempting victims until there is.
 
-        out.blocks_to_copy = [copy for seq in out.scheduled_seqs for copy in copies.get(seq.seq_id, [])]
-        return out
+        Returns (its copy-on-write copies, or None if `seq` itself had to be preempted; the token budget handed
+        back by victims that were already in this step's batch). A victim may sit before `seq` in `running`.
+        """
+        returned = 0
+        while (seq_copies := self.kv_cache_manager.allocate_slots(seq, num_new_tokens)) is None:
+            victim = self._choose_victim()
+            returned += self._unschedule(victim, out, copies)
+            preempt(self, victim, out)
+            if victim is seq:
+                return None, returned
+        return seq_copies, returned
 
     def _add_to_batch(
         self, out: SchedulerOutput, seq: Sequence, num_new_tokens: int, seq_copies: list[tuple[int, int]],
         copies: dict[int, list[tuple[int, int]]],
     ) -> None:
+        """Put `seq` into the step's batch with `num_new_tokens` tokens, and count them as prefill or decode."""
         out.scheduled_seqs.append(seq)
         out.num_scheduled_tokens.append(num_new_tokens)
         copies[seq.seq_id] = seq_copies
-        is_decode = num_new_tokens == 1 and seq.num_computed_tokens + 1 == seq.num_tokens and seq.num_output_tokens > 0
-        if is_decode:
+        if _is_decode(seq, num_new_tokens):
             out.num_decode_tokens += 1
         else:
             out.num_prefill_tokens += num_new_tokens
 
     def _choose_victim(self) -> Sequence:
+        """The last to start running (FCFS), or the lowest priority, latest arrival (PRIORITY)."""
         if self.policy is SchedulingPolicy.PRIORITY:
             return max(self.running, key=lambda s: (s.priority, s.arrival, s.seq_id))
         return self.running[-1]
@@ -131,29 +120,74 @@ class Scheduler:
         num_tokens = out.num_scheduled_tokens.pop(position)
         out.scheduled_seqs.pop(position)
         copies.pop(seq.seq_id, None)  # its copies' destinations are freed with the rest of its blocks
-        is_decode = num_tokens == 1 and seq.num_computed_tokens + 1 == seq.num_tokens and seq.num_output_tokens > 0
-        if is_decode:
+        if _is_decode(seq, num_tokens):
             out.num_decode_tokens -= 1
         else:
             out.num_prefill_tokens -= num_tokens
         return num_tokens
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Preemption by recompute: free every block, forget the computed tokens, wait at the front."""
-        self.running.remove(seq)
-        self.kv_cache_manager.free(seq)
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.PREEMPTED
-        self.waiting.prepend(seq)
-        out.preempted_seq_ids.append(seq.seq_id)
-        self.num_preemptions += 1
 
-    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """Take a finished or aborted sequence out of the queues and free its blocks, whatever its state."""
-        assert status.is_finished, f"{status} is not a finished state"
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
-            self.waiting.remove(seq)
-        self.kv_cache_manager.free(seq)
-        seq.status = status
+def _is_decode(seq: Sequence, num_new_tokens: int) -> bool:
+    """One new token that is the sequence's newest, sampled one (not the last token of a prompt or recompute)."""
+    return num_new_tokens == 1 and seq.num_computed_tokens + 1 == seq.num_tokens and seq.num_output_tokens > 0
+
+
+def preempt(scheduler: SchedulerBase, seq: Sequence, out: SchedulerOutput) -> None:
+    """Preemption by recompute: free every block, forget the computed tokens, wait at the front of the queue.
+
+    The tokens themselves are kept, so the sequence later resumes where it was, recomputing its K/V (prefix
+    caching usually finds most of its blocks still cached). Free before resetting `num_computed_tokens`: the
+    KV cache manager reads it to tell computed blocks from blocks whose K/V were never written.
+    """
+    scheduler.running.remove(seq)
+    scheduler.kv_cache_manager.free(seq)
+    seq.num_computed_tokens = 0
+    seq.status = SequenceStatus.PREEMPTED
+    scheduler.waiting.prepend(seq)
+    out.preempted_seq_ids.append(seq.seq_id)
+    scheduler.num_preemptions += 1
+
+
+class Scheduler(SchedulerBase):
+    """`schedule()` decides one step: running sequences first, then admissions, under one token budget."""
+
+    def schedule(self) -> SchedulerOutput:
+        """The step's batch: each sequence gets min(tokens behind, budget left, long_prefill_token_threshold)."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        copies: dict[int, list[tuple[int, int]]] = {}  # seq_id -> its copy-on-write copies this step
+
+        # Running sequences first, in the order they started running.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget, self.long_prefill_token_threshold)
+            assert num_new_tokens > 0, f"running sequence {seq.seq_id} has nothing to compute"
+            seq_copies, returned = self._allocate_or_preempt(seq, num_new_tokens, out, copies)
+            budget += returned
+            if seq_copies is None:
+                continue  # `seq` itself was the victim; whatever followed it has moved into its place
+            self._add_to_batch(out, seq, num_new_tokens, seq_copies, copies)
+            budget -= num_new_tokens
+            index = self.running.index(seq) + 1  # victims before `seq` shifted it left
+
+        # Then waiting sequences, while there is budget, room in the batch and memory. None in a step that
+        # preempted: the memory just freed is for the running sequences.
+        while not out.preempted_seq_ids and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting.peek()
+            computed_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(seq)
+            num_new_tokens = min(seq.num_tokens - num_cached_tokens, budget, self.long_prefill_token_threshold)
+            seq_copies = self.kv_cache_manager.allocate_slots(seq, num_new_tokens, computed_blocks)
+            if seq_copies is None:
+                break  # it waits for memory; nobody behind it jumps the line
+            self.waiting.pop()
+            (out.resumed_seq_ids if seq.status is SequenceStatus.PREEMPTED else out.new_seq_ids).append(seq.seq_id)
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = num_cached_tokens
+            out.num_cached_tokens[seq.seq_id] = num_cached_tokens
+            self.running.append(seq)
+            self._add_to_batch(out, seq, num_new_tokens, seq_copies, copies)
+            budget -= num_new_tokens
+
+        out.blocks_to_copy = [copy for seq in out.scheduled_seqs for copy in copies.get(seq.seq_id, [])]
+        return out
