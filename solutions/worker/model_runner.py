@@ -8,6 +8,8 @@ token. For sequence b the new tokens are `token_ids[num_computed_tokens : num_co
 Where this lives in vLLM: `vllm/v1/worker/gpu_model_runner.py` (`_prepare_inputs`, `execute_model`).
 """
 
+import time
+
 import torch
 
 from solutions.attention.paged import AttentionMetadata, KVCache, copy_blocks
@@ -51,6 +53,7 @@ class ModelRunner:
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
         self.model, self.block_size = model, block_size
+        self.seconds = {"prepare": 0.0, "forward": 0.0}  # running totals, for the engine's step breakdown
         self.kv_cache = KVCache.allocate(model.config, num_blocks, block_size)
         if attention_backend == "triton":
             from solutions.attention.triton_backend import TritonAttentionBackend  # imports Triton only when asked
@@ -65,11 +68,17 @@ class ModelRunner:
 
         Advances every scheduled sequence's `num_computed_tokens` by its scheduled tokens.
         """
+        start = time.perf_counter()
         if scheduler_output.blocks_to_copy:
             copy_blocks(self.kv_cache, scheduler_output.blocks_to_copy)
         input_ids, positions, metadata = prepare_inputs(scheduler_output, self.block_size)
-        hidden = self.model(input_ids, positions, self.backend_cls(self.kv_cache, metadata))  # (T, D_model)
+        backend = self.backend_cls(self.kv_cache, metadata)
+        prepared = time.perf_counter()
+        hidden = self.model(input_ids, positions, backend)  # (T, D_model)
         last_rows = metadata.query_start_loc[1:] - 1  # (B,) row of each sequence's last new token
         for seq, num_new in zip(scheduler_output.scheduled_seqs, scheduler_output.num_scheduled_tokens, strict=True):
             seq.num_computed_tokens += num_new
-        return self.model.compute_logits(hidden[last_rows])  # (B, V)
+        logits = self.model.compute_logits(hidden[last_rows])  # (B, V)
+        self.seconds["prepare"] += prepared - start
+        self.seconds["forward"] += time.perf_counter() - prepared
+        return logits

@@ -1,0 +1,222 @@
+"""Throughput of continuous batching against the baselines a user would reach for, side by side in one run.
+
+    python -m benchmarks.throughput              # workload W64, a table (about 10–15 minutes on 2 cores)
+    python -m benchmarks.throughput --quick      # W16 with short lengths, under two minutes
+    python -m benchmarks.throughput --json       # one JSON object (the table's figures)
+    python -m benchmarks.throughput --save chapters/05_continuous_batching/throughput.json
+
+Workload W64 (seeded): 64 requests, prompts of random token ids with lengths uniform in [16, 256], outputs
+uniform in [16, 256], EOS ignored. Useful tokens = the requested output tokens; a baseline that generates more
+(a static batch runs to its longest request) gets no credit for the extra. Every system runs SmolLM2-135M in
+fp32 on this machine's cores, one after the other, so the ratios compare like with like:
+
+- engine:           this course's engine, continuous batching (`LLM.generate`, max_num_seqs 64);
+- hf_generate:      Hugging Face `generate`, static batches of 32 with left padding, each batch to its longest;
+- hf_generate_batch: Hugging Face continuous batching (`ContinuousBatchingManager`), per-request max_new_tokens;
+- static_paged:     chapter 3's static paged loop (one batch of all 64, run to the longest).
+
+The roofline: the machine's fp32 matmul rate bounds decode, since every generated token costs at least
+2 × (weights it multiplies) FLOPs. `roofline_fraction` = that per-token cost × engine tokens/s ÷ matmul FLOP/s,
+over the whole workload (prefill and the tail included in the time, not in the numerator).
+"""
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import numpy as np
+import torch
+
+MODEL = "smollm2-135m"
+
+
+def make_workload(num_requests: int, low: int, high: int, vocab_size: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """Prompts of random token ids (ids below 100 avoided: SmolLM2's special tokens live there) and output lengths."""
+    rng = np.random.default_rng(seed)
+    prompt_lens = rng.integers(low, high + 1, num_requests)
+    output_lens = rng.integers(low, high + 1, num_requests).tolist()
+    prompts = [rng.integers(100, vocab_size, n).tolist() for n in prompt_lens]
+    return prompts, output_lens
+
+
+def matmul_gflops(m: int, k: int, n: int, seconds: float = 1.0) -> float:
+    """Measured fp32 matmul rate at (m×k)·(k×n), GFLOP/s."""
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    for _ in range(3):
+        a @ b
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+    return 2 * m * k * n * count / (time.perf_counter() - start) / 1e9
+
+
+def flops_per_token(model: torch.nn.Module) -> float:
+    """2 × the weights a decode token multiplies: every Linear, the LM head included (embedding lookup is free)."""
+    return 2.0 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def run_engine(prompts: list[list[int]], output_lens: list[int]) -> dict:
+    from solutions import LLM, SamplingParams
+
+    llm = LLM(model=MODEL, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=1024)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up: first-call allocations
+    engine = llm.llm_engine
+    engine.stats.steps.clear()
+    runner_seconds = dict(engine.model_runner.seconds)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    steps = engine.stats.steps
+    total = {k: sum(s.seconds[k] for s in steps) for k in ("schedule", "execute", "sample", "postprocess")}
+    prepare = engine.model_runner.seconds["prepare"] - runner_seconds["prepare"]
+    breakdown = {
+        "schedule": total["schedule"], "prepare": prepare, "forward": total["execute"] - prepare,
+        "sample": total["sample"], "postprocess": total["postprocess"],
+    }
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert generated == sum(output_lens), "every request generates exactly its max_tokens (EOS ignored)"
+    return {"seconds": seconds, "useful_tokens": generated, "steps": len(steps), "breakdown": breakdown,
+            "model": llm.model, "outputs": [o.outputs[0].token_ids for o in outputs], "llm": llm}
+
+
+def run_hf_generate(hf, prompts: list[list[int]], output_lens: list[int], pad_id: int, batch_size: int = 32) -> dict:
+    """Static batches as a user writes them: left padding, each batch generates up to its longest request."""
+    start, useful = time.perf_counter(), 0
+    for first in range(0, len(prompts), batch_size):
+        batch, lens = prompts[first : first + batch_size], output_lens[first : first + batch_size]
+        width = max(len(p) for p in batch)
+        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.inference_mode():
+            out = hf.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max(lens),
+                              min_new_tokens=max(lens), do_sample=False, eos_token_id=None, pad_token_id=pad_id)
+        useful += sum(min(n, out.shape[1] - width) for n in lens)
+    return {"seconds": time.perf_counter() - start, "useful_tokens": useful}
+
+
+def run_hf_generate_batch(hf, prompts: list[list[int]], output_lens: list[int]) -> dict:
+    """Hugging Face's own continuous batching, one request per prompt with its own max_new_tokens."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, eos_token_id=None, max_new_tokens=max(output_lens))
+    start = time.perf_counter()
+    results = {}
+    with hf.continuous_batching_context_manager(generation_config=config, block=True, timeout=5) as manager:
+        ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts, output_lens, strict=True)]
+        while len(results) < len(ids):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+    seconds = time.perf_counter() - start
+    useful = sum(min(len(results[i].generated_tokens), n) for i, n in zip(ids, output_lens, strict=True))
+    return {"seconds": seconds, "useful_tokens": useful}
+
+
+def run_static_paged(model, prompts: list[list[int]], output_lens: list[int]) -> dict:
+    from solutions.baselines.paged_generation import generate_paged
+
+    start = time.perf_counter()
+    outputs = generate_paged(model, prompts, max(output_lens))
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "useful_tokens": sum(min(len(o), n) for o, n in zip(outputs, output_lens, strict=True))}
+
+
+def step_cost_curve(llm, num_running: list[int], context_lens: list[int]) -> list[dict]:
+    """Decode step time with N sequences of context length L running (prompts prefilled first, not timed)."""
+    from solutions import SamplingParams
+
+    engine, rows = llm.llm_engine, []
+    for context_len in context_lens:
+        for n in num_running:
+            params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+            for i in range(n):
+                engine.add_request(f"curve-{context_len}-{n}-{i}", [100 + (i + j) % 1000 for j in range(context_len)], params)
+            while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
+                engine.step()
+            times = []
+            while engine.has_unfinished_requests():
+                start = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - start)
+            rows.append({"running": n, "context": context_len, "step_ms": 1000 * float(np.median(times)),
+                         "ms_per_token": 1000 * float(np.median(times)) / n})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="W16 with lengths in [16, 64]: under two minutes")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--save", type=Path, help="also write the JSON object to this file")
+    args = parser.parse_args()
+
+    from grading.tiny_models import hf_model
+    from solutions.model.loader import load_tokenizer, resolve_model
+
+    torch.manual_seed(0)
+    num_requests, low, high = (16, 16, 64) if args.quick else (64, 16, 256)
+    tokenizer = load_tokenizer(MODEL)
+    prompts, output_lens = make_workload(num_requests, low, high, len(tokenizer))
+    gflops = {"64x576x1536": matmul_gflops(64, 576, 1536), "1024x1024x1024": matmul_gflops(1024, 1024, 1024)}
+
+    engine = run_engine(prompts, output_lens)
+    hf = hf_model(resolve_model(MODEL))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    hf_static = run_hf_generate(hf, prompts, output_lens, pad_id)
+    hf_cb = run_hf_generate_batch(hf, prompts, output_lens)
+    static_paged = run_static_paged(engine["model"], prompts, output_lens)
+    curve = step_cost_curve(engine["llm"], [1, 8, 32, 64] if not args.quick else [1, 8], [128, 512] if not args.quick else [64])
+
+    def tok_s(result: dict) -> float:
+        return result["useful_tokens"] / result["seconds"]
+
+    peak = max(gflops.values())
+    roofline_tok_s = peak * 1e9 / flops_per_token(engine["model"])
+    breakdown = engine["breakdown"]
+    step_total = sum(breakdown.values())
+    summary = {
+        "workload": {"requests": num_requests, "prompt_len": [low, high], "output_len": [low, high],
+                     "useful_tokens": sum(output_lens)},
+        "engine_tok_s": tok_s(engine),
+        "hf_generate_tok_s": tok_s(hf_static),
+        "hf_generate_batch_tok_s": tok_s(hf_cb),
+        "static_paged_tok_s": tok_s(static_paged),
+        "matmul_gflops": peak,
+        "matmul_gflops_by_shape": gflops,
+        "roofline_tok_s": roofline_tok_s,
+        "roofline_fraction": tok_s(engine) / roofline_tok_s,
+        "engine_steps": engine["steps"],
+        "step_breakdown": {k: v / step_total for k, v in breakdown.items()},
+        "step_cost_curve": curve,
+    }
+    if args.save:
+        args.save.write_text(json.dumps(summary, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(summary))
+        return
+    best_hf = max(summary["hf_generate_tok_s"], summary["hf_generate_batch_tok_s"])
+    print(f"workload: {num_requests} requests, prompts and outputs uniform in [{low}, {high}] tokens, "
+          f"{sum(output_lens)} useful output tokens; SmolLM2-135M fp32, {torch.get_num_threads()} threads\n")
+    print(f"{'system':<44}{'tok/s':>8}{'× best HF':>11}")
+    for name, key in [("engine (continuous batching)", "engine_tok_s"), ("HF generate, static batches of 32", "hf_generate_tok_s"),
+                      ("HF continuous batching (generate_batch)", "hf_generate_batch_tok_s"),
+                      ("chapter 3 static paged loop", "static_paged_tok_s")]:
+        print(f"{name:<44}{summary[key]:8.1f}{summary[key] / best_hf:10.2f}×")
+    print(f"\nmatmul fp32: {', '.join(f'{s} {g:.0f}' for s, g in gflops.items())} GFLOP/s; decode roofline "
+          f"{roofline_tok_s:.0f} tok/s at {flops_per_token(engine['model']) / 1e9:.2f} GFLOP/token; "
+          f"engine at {summary['roofline_fraction']:.0%} of it over the whole workload")
+    print("engine step breakdown: " + ", ".join(f"{k} {v:.1%}" for k, v in summary["step_breakdown"].items()))
+    print("\ndecode step cost: running × context → ms per step (ms per token)")
+    for row in curve:
+        print(f"  {row['running']:3d} × {row['context']:4d}: {row['step_ms']:7.1f} ms  ({row['ms_per_token']:.2f})")
+
+
+if __name__ == "__main__":
+    main()
