@@ -1,0 +1,330 @@
+"""Plausible wrong answers to chapter 05's exercises; each must fail at least one test of its exercise.
+
+Class exercises are mutated by subclassing the reference and overriding the method that goes wrong.
+"""
+
+import torch
+
+from solutions.attention.paged import AttentionMetadata
+from solutions.core.block_manager import slot_mapping
+from solutions.core.sched.output import SchedulerOutput
+from solutions.core.sched.scheduler import Scheduler, SchedulerBase
+from solutions.core.sequence import Sequence, SequenceStatus
+from solutions.engine.llm_engine import LLMEngine
+from solutions.outputs import RequestOutput
+
+# --- Scheduler.schedule -------------------------------------------------------------------------------------------
+
+
+class _Template(Scheduler):
+    """The reference `schedule`, with hooks that the mutants below get wrong."""
+
+    def _num_new(self, behind: int, budget: int) -> int:
+        return min(behind, budget, self.long_prefill_token_threshold)
+
+    def _running_first(self, out, copies, budget):
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new_tokens = self._num_new(seq.num_tokens - seq.num_computed_tokens, budget)
+            seq_copies, returned = self._allocate_or_preempt(seq, num_new_tokens, out, copies)
+            budget += returned
+            if seq_copies is None:
+                continue
+            self._add_to_batch(out, seq, num_new_tokens, seq_copies, copies)
+            budget -= num_new_tokens
+            index = self.running.index(seq) + 1
+        return budget
+
+    def _admit(self, out, copies, budget):
+        while not out.preempted_seq_ids and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting.peek()
+            computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(seq)
+            num_new_tokens = self._num_new(seq.num_tokens - num_cached, budget)
+            seq_copies = self.kv_cache_manager.allocate_slots(seq, num_new_tokens, computed_blocks)
+            if seq_copies is None:
+                break
+            self.waiting.pop()
+            (out.resumed_seq_ids if seq.status is SequenceStatus.PREEMPTED else out.new_seq_ids).append(seq.seq_id)
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = num_cached
+            out.num_cached_tokens[seq.seq_id] = num_cached
+            self.running.append(seq)
+            self._add_to_batch(out, seq, num_new_tokens, seq_copies, copies)
+            budget -= num_new_tokens
+        return budget
+
+    def schedule(self) -> SchedulerOutput:
+        out, copies = SchedulerOutput(), {}
+        budget = self._running_first(out, copies, self.max_num_batched_tokens)
+        self._admit(out, copies, budget)
+        out.blocks_to_copy = [c for seq in out.scheduled_seqs for c in copies.get(seq.seq_id, [])]
+        return out
+
+
+class IgnoresTheBudget(_Template):
+    """Gives every sequence all the tokens it is behind (up to the threshold), whatever the budget has left."""
+
+    def _num_new(self, behind: int, budget: int) -> int:
+        return min(behind, self.long_prefill_token_threshold)
+
+
+class StarvesRunning(_Template):
+    """Admits waiting prompts first: a long prompt takes the whole budget and running sequences stall."""
+
+    def schedule(self) -> SchedulerOutput:
+        out, copies = SchedulerOutput(), {}
+        budget = self._admit(out, copies, self.max_num_batched_tokens)
+        already = list(out.scheduled_seqs)
+        index = 0
+        while index < len(self.running) and budget > 0:  # then the running ones not admitted just now
+            seq = self.running[index]
+            index += 1
+            if seq in already:
+                continue
+            num_new_tokens = self._num_new(seq.num_tokens - seq.num_computed_tokens, budget)
+            seq_copies, returned = self._allocate_or_preempt(seq, num_new_tokens, out, copies)
+            budget += returned
+            if seq_copies is None:
+                index = 0
+                continue
+            self._add_to_batch(out, seq, num_new_tokens, seq_copies, copies)
+            budget -= num_new_tokens
+        out.blocks_to_copy = [c for seq in out.scheduled_seqs for c in copies.get(seq.seq_id, [])]
+        return out
+
+
+class NoChunking(_Template):
+    """All or nothing: a prompt that does not fit in the budget left waits for a later step."""
+
+    def _num_new(self, behind: int, budget: int) -> int:
+        return min(behind, self.long_prefill_token_threshold) if min(behind, self.long_prefill_token_threshold) <= budget else 0
+
+    def _admit(self, out, copies, budget):
+        if self.waiting and self._num_new(self.waiting.peek().num_tokens, budget) == 0:
+            return budget
+        return super()._admit(out, copies, budget)
+
+
+class IgnoresMaxNumSeqs(_Template):
+    """Admits while there is budget, however many sequences already run."""
+
+    def schedule(self) -> SchedulerOutput:
+        limit, self.max_num_seqs = self.max_num_seqs, 10**9
+        try:
+            return super().schedule()
+        finally:
+            self.max_num_seqs = limit
+
+
+class SkipsTheBlockedHead(_Template):
+    """When the head of the queue does not fit in memory, admits the ones behind it that do."""
+
+    def _admit(self, out, copies, budget):
+        blocked = []
+        while self.waiting:
+            head = self.waiting.peek()
+            need = -(-self._num_new(head.num_tokens, budget) // self.kv_cache_manager.block_size)
+            if need <= self.kv_cache_manager.num_free_blocks:
+                break
+            blocked.append(self.waiting.pop())  # set aside, to go back to the front afterwards
+        budget = super()._admit(out, copies, budget)
+        for seq in reversed(blocked):
+            self.waiting.prepend(seq)
+        return budget
+
+
+class AdmitsAfterPreempting(_Template):
+    """Admits waiting prompts even in a step that preempted: the blocks just freed go to a newcomer."""
+
+    def _admit(self, out, copies, budget):
+        preempted, out.preempted_seq_ids = out.preempted_seq_ids, []
+        try:
+            return super()._admit(out, copies, budget)
+        finally:
+            out.preempted_seq_ids = preempted + out.preempted_seq_ids
+
+
+# --- preempt ------------------------------------------------------------------------------------------------------
+
+
+def preempt_leaks_blocks(scheduler: SchedulerBase, seq: Sequence, out: SchedulerOutput) -> None:
+    """Forgets the block table without giving its blocks back to the pool."""
+    scheduler.running.remove(seq)
+    seq.block_table.clear()
+    seq.num_computed_tokens = 0
+    seq.status = SequenceStatus.PREEMPTED
+    scheduler.waiting.prepend(seq)
+    out.preempted_seq_ids.append(seq.seq_id)
+    scheduler.num_preemptions += 1
+
+
+def preempt_to_the_back(scheduler: SchedulerBase, seq: Sequence, out: SchedulerOutput) -> None:
+    """Sends the victim to the back of the queue, behind requests that arrived after it."""
+    scheduler.running.remove(seq)
+    scheduler.kv_cache_manager.free(seq)
+    seq.num_computed_tokens = 0
+    seq.status = SequenceStatus.PREEMPTED
+    scheduler.waiting.add(seq)
+    out.preempted_seq_ids.append(seq.seq_id)
+    scheduler.num_preemptions += 1
+
+
+def preempt_keeps_computed_tokens(scheduler: SchedulerBase, seq: Sequence, out: SchedulerOutput) -> None:
+    """Frees the blocks but keeps `num_computed_tokens`: the K/V it claims are gone."""
+    scheduler.running.remove(seq)
+    scheduler.kv_cache_manager.free(seq)
+    seq.status = SequenceStatus.PREEMPTED
+    scheduler.waiting.prepend(seq)
+    out.preempted_seq_ids.append(seq.seq_id)
+    scheduler.num_preemptions += 1
+
+
+# --- prepare_inputs -----------------------------------------------------------------------------------------------
+
+
+def _prepare(scheduler_output: SchedulerOutput, block_size: int, *, position_start, seq_len):
+    input_ids, positions, slots, query_start_loc, seq_lens = [], [], [], [0], []
+    for seq, num_new in zip(scheduler_output.scheduled_seqs, scheduler_output.num_scheduled_tokens, strict=True):
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+        input_ids += seq.token_ids[start:end]
+        positions += range(position_start(start), position_start(start) + num_new)
+        slots += slot_mapping(seq.block_table, start, end, block_size)
+        query_start_loc.append(query_start_loc[-1] + num_new)
+        seq_lens.append(seq_len(end, num_new))
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.long),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.long),
+        block_tables=[seq.block_table for seq in scheduler_output.scheduled_seqs],
+    )
+    return torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), metadata
+
+
+def prepare_inputs_chunk_positions_from_zero(
+    scheduler_output: SchedulerOutput, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Numbers each sequence's new tokens from 0, as if every chunk were a whole prompt."""
+    return _prepare(scheduler_output, block_size, position_start=lambda start: 0, seq_len=lambda end, n: end)
+
+
+def prepare_inputs_seq_lens_are_query_lens(
+    scheduler_output: SchedulerOutput, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Gives each sequence the length of its new tokens as its context: the cached context is never read."""
+    return _prepare(scheduler_output, block_size, position_start=lambda start: start, seq_len=lambda end, n: n)
+
+
+def prepare_inputs_last_token_only(
+    scheduler_output: SchedulerOutput, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Feeds each sequence only its newest token, as a decode-only engine would."""
+    seqs = scheduler_output.scheduled_seqs
+    input_ids = [seq.token_ids[seq.num_computed_tokens + n - 1] for seq, n in zip(seqs, scheduler_output.num_scheduled_tokens)]
+    ends = [seq.num_computed_tokens + n for seq, n in zip(seqs, scheduler_output.num_scheduled_tokens)]
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor([slot_mapping(s.block_table, e - 1, e, block_size)[0] for s, e in zip(seqs, ends)]),
+        query_start_loc=torch.arange(len(seqs) + 1),
+        seq_lens=torch.tensor(ends),
+        block_tables=[seq.block_table for seq in seqs],
+    )
+    return torch.tensor(input_ids), torch.tensor([e - 1 for e in ends]), metadata
+
+
+# --- engine_step --------------------------------------------------------------------------------------------------
+
+
+def engine_step_samples_the_wrong_rows(engine: LLMEngine) -> list[RequestOutput]:
+    """Takes the first rows of the logits for the sequences that sample, not each sequence's own row."""
+    scheduler_output = engine.schedule()
+    logits = engine.execute_model(scheduler_output)
+    seqs = []
+    for seq in scheduler_output.scheduled_seqs:
+        if seq.num_computed_tokens < seq.num_tokens:
+            continue
+        seqs += engine.fork_samples(seq)
+    rows = [min(i, logits.shape[0] - 1) for i in range(len(seqs))]
+    return engine.update_from_output(scheduler_output, seqs, engine.sample(logits[rows], seqs))
+
+
+def engine_step_samples_prompt_chunks(engine: LLMEngine) -> list[RequestOutput]:
+    """Samples for every scheduled sequence, even a prompt chunk whose prompt is not finished."""
+    scheduler_output = engine.schedule()
+    logits = engine.execute_model(scheduler_output)
+    rows, seqs = [], []
+    for row, seq in enumerate(scheduler_output.scheduled_seqs):
+        for sample_seq in engine.fork_samples(seq):
+            rows.append(row)
+            seqs.append(sample_seq)
+    return engine.update_from_output(scheduler_output, seqs, engine.sample(logits[rows], seqs))
+
+
+def engine_step_never_forks(engine: LLMEngine) -> list[RequestOutput]:
+    """Ignores `n`: one sample per request, so an `n > 1` request never completes."""
+    scheduler_output = engine.schedule()
+    logits = engine.execute_model(scheduler_output)
+    rows, seqs = [], []
+    for row, seq in enumerate(scheduler_output.scheduled_seqs):
+        if seq.num_computed_tokens < seq.num_tokens:
+            continue
+        rows.append(row)
+        seqs.append(seq)
+    return engine.update_from_output(scheduler_output, seqs, engine.sample(logits[rows], seqs))
+
+
+# --- apply_top_p, apply_min_p -------------------------------------------------------------------------------------
+
+
+def apply_top_p_drops_the_crossing_token(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Drops the token whose probability carries the mass past p: the nucleus can come out empty."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    drop = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1) > top_p[:, None]
+    return logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+
+
+def apply_top_p_without_sorting(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Accumulates probability in vocabulary order instead of from the most likely token down."""
+    probs = torch.softmax(logits, dim=-1)
+    return logits.masked_fill(probs.cumsum(dim=-1) - probs >= top_p[:, None], float("-inf"))
+
+
+def apply_top_p_first_rows_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Uses the first row's p for every row."""
+    from solutions.sample.sampler import apply_top_p
+
+    return apply_top_p(logits, top_p[:1].expand(logits.shape[0]))
+
+
+def apply_min_p_absolute(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Compares each probability with min_p itself, not with min_p times the most likely token's."""
+    probs = torch.softmax(logits, dim=-1)
+    return logits.masked_fill(probs < min_p[:, None], float("-inf"))
+
+
+def apply_min_p_on_logits(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Scales the largest *logit* by min_p: logits are log-probabilities up to a constant, not probabilities."""
+    return logits.masked_fill(logits < min_p[:, None] * logits.max(dim=-1, keepdim=True).values, float("-inf"))
+
+
+MUTANTS = {
+    "schedule_ignores_the_budget": {"Scheduler": IgnoresTheBudget},
+    "schedule_starves_running": {"Scheduler": StarvesRunning},
+    "schedule_without_chunking": {"Scheduler": NoChunking},
+    "schedule_ignores_max_num_seqs": {"Scheduler": IgnoresMaxNumSeqs},
+    "schedule_skips_the_blocked_head": {"Scheduler": SkipsTheBlockedHead},
+    "schedule_admits_after_preempting": {"Scheduler": AdmitsAfterPreempting},
+    "preempt_leaks_blocks": {"preempt": preempt_leaks_blocks},
+    "preempt_to_the_back": {"preempt": preempt_to_the_back},
+    "preempt_keeps_computed_tokens": {"preempt": preempt_keeps_computed_tokens},
+    "prepare_inputs_chunk_positions_from_zero": {"prepare_inputs": prepare_inputs_chunk_positions_from_zero},
+    "prepare_inputs_seq_lens_are_query_lens": {"prepare_inputs": prepare_inputs_seq_lens_are_query_lens},
+    "prepare_inputs_last_token_only": {"prepare_inputs": prepare_inputs_last_token_only},
+    "engine_step_samples_the_wrong_rows": {"engine_step": engine_step_samples_the_wrong_rows},
+    "engine_step_samples_prompt_chunks": {"engine_step": engine_step_samples_prompt_chunks},
+    "engine_step_never_forks": {"engine_step": engine_step_never_forks},
+    "apply_top_p_drops_the_crossing_token": {"apply_top_p": apply_top_p_drops_the_crossing_token},
+    "apply_top_p_without_sorting": {"apply_top_p": apply_top_p_without_sorting},
+    "apply_top_p_first_rows_p": {"apply_top_p": apply_top_p_first_rows_p},
+    "apply_min_p_absolute": {"apply_min_p": apply_min_p_absolute},
+    "apply_min_p_on_logits": {"apply_min_p": apply_min_p_on_logits},
+}
