@@ -11,7 +11,6 @@ from collections.abc import Sequence as Seq
 from tqdm.auto import tqdm
 
 from solutions.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
-from solutions.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from solutions.core.block_manager import cdiv
 from solutions.core.sched.request_queue import SchedulingPolicy
 from solutions.engine.llm_engine import LLMEngine
@@ -152,37 +151,6 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-
-    def beam_search(self, prompts: Seq[str | list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
-        """The `params.beam_width` best continuations of each prompt, best first (one `BeamSearchOutput` each).
-
-        Runs outside the scheduler, as vLLM's does, on the engine's KV cache manager and model runner: beams
-        fork and free sequences that share blocks (see `solutions/beam_search.py`). The engine must be idle.
-        """
-        if not isinstance(params, BeamSearchParams):
-            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        engine = self.llm_engine
-        if engine.has_unfinished_requests():
-            raise ValueError("beam_search needs an idle engine: finish or abort the unfinished requests first")
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        token_ids = []
-        for prompt in prompts:
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) and self.tokenizer is not None else prompt
-            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and 0 <= t < self.model.config.vocab_size for t in ids):
-                raise ValueError(f"each prompt must be a string or a non-empty list of token ids in [0, vocab_size), got {prompt!r}")
-            if len(ids) >= engine.max_model_len:
-                raise ValueError(f"a prompt has {len(ids)} tokens; it must be shorter than max_model_len={engine.max_model_len}")
-            token_ids.append(ids)
-        beams = run_beam_search(
-            engine.kv_cache_manager, engine.model_runner, token_ids, params,
-            eos_token_id=self.model.config.eos_token_id, max_model_len=engine.max_model_len, seq_ids=engine._seq_ids,
-        )
-        for sequences in beams:
-            for seq in sequences:
-                if self.tokenizer is not None:
-                    seq.text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
-        return [BeamSearchOutput(sequences) for sequences in beams]
 
     def beam_search(self, prompts: Seq[str | list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """The `params.beam_width` best continuations of each prompt, best first (one `BeamSearchOutput` each).
