@@ -64,7 +64,8 @@ def flops_per_token(model: torch.nn.Module) -> float:
 def run_engine(prompts: list[list[int]], output_lens: list[int]) -> dict:
     from solutions import LLM, SamplingParams
 
-    llm = LLM(model=MODEL, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=1024)
+    # 2 GiB of KV cache: room for the cost curve's 64 sequences of 512 tokens (W64 itself needs under 1 GiB)
+    llm = LLM(model=MODEL, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=1024, kv_cache_memory_bytes=2**31)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up: first-call allocations
     engine = llm.llm_engine
@@ -128,25 +129,32 @@ def run_static_paged(model, prompts: list[list[int]], output_lens: list[int]) ->
     return {"seconds": seconds, "useful_tokens": sum(min(len(o), n) for o, n in zip(outputs, output_lens, strict=True))}
 
 
-def step_cost_curve(llm, num_running: list[int], context_lens: list[int]) -> list[dict]:
-    """Decode step time with N sequences of context length L running (prompts prefilled first, not timed)."""
+def step_cost_curve(llm, num_running: list[int], context_lens: list[int], num_steps: int = 8) -> list[dict]:
+    """Decode step time with exactly N sequences of context about L running (prompts prefilled first, untimed).
+
+    Every request asks for more tokens than the timed steps produce, so none finishes while timed; they are
+    aborted afterwards.
+    """
     from solutions import SamplingParams
 
     engine, rows = llm.llm_engine, []
+    params = SamplingParams(temperature=0.0, max_tokens=num_steps + 8, ignore_eos=True)
     for context_len in context_lens:
         for n in num_running:
-            params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-            for i in range(n):
-                engine.add_request(f"curve-{context_len}-{n}-{i}", [100 + (i + j) % 1000 for j in range(context_len)], params)
+            ids = [f"curve-{context_len}-{n}-{i}" for i in range(n)]
+            for i, request_id in enumerate(ids):
+                engine.add_request(request_id, [100 + (i + j) % 1000 for j in range(context_len)], params)
             while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
                 engine.step()
             times = []
-            while engine.has_unfinished_requests():
+            for _ in range(num_steps):
+                assert len(engine.scheduler.running) == n and not engine.scheduler.waiting, "all N run at once"
                 start = time.perf_counter()
                 engine.step()
                 times.append(time.perf_counter() - start)
-            rows.append({"running": n, "context": context_len, "step_ms": 1000 * float(np.median(times)),
-                         "ms_per_token": 1000 * float(np.median(times)) / n})
+            engine.abort_request(ids)
+            step_ms = 1000 * float(np.median(times))
+            rows.append({"running": n, "context": context_len, "step_ms": step_ms, "ms_per_token": step_ms / n})
     return rows
 
 

@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from grading.checks import expect_close, expect_equal
+from grading.checks import exercising, expect_close, expect_equal, expect_raises
 from grading.impl import ROOT, ExerciseError
 from grading.plugin import ResultCollector
 
@@ -24,7 +24,9 @@ CHAPTERS = ROOT / "chapters"
 # Notebooks run without a widget library: tqdm's text bars are fine, its warning about it is noise.
 warnings.filterwarnings("ignore", message="IProgress not found")
 
-__all__ = ["CHAPTERS", "ExerciseError", "checker", "chapter_dir", "expect_close", "expect_equal"]
+__all__ = [
+    "CHAPTERS", "ExerciseError", "checker", "chapter_dir", "exercising", "expect_close", "expect_equal", "expect_raises",
+]
 
 
 def chapter_dir(chapter: str) -> Path:

@@ -1,10 +1,12 @@
 """Assertions whose failure messages teach: what was tried, what the reference produced, what you produced."""
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from grading.impl import describe
+from grading.impl import ExerciseError, describe
 
 
 def _preview(t: torch.Tensor) -> str:
@@ -38,3 +40,27 @@ def expect_equal(got: Any, want: Any, *, inputs: str) -> None:
         raise AssertionError(
             f"on input {inputs}:\n  the reference produced {describe(want)}\n  you produced           {describe(got)}"
         )
+
+
+@contextlib.contextmanager
+def exercising(name: str, inputs: str) -> Iterator[None]:
+    """Report an exception raised inside a class exercise (a stub, or a bug) as that exercise's failure."""
+    try:
+        yield
+    except NotImplementedError as error:
+        raise ExerciseError(f"exercise `{name}` is not implemented yet ({error or 'see its hint'})") from None
+    except AssertionError:
+        raise
+    except Exception as error:
+        raise ExerciseError(f"exercise `{name}` raised {type(error).__name__}: {error}\n  on input: {inputs}") from error
+
+
+def expect_raises(error_type: type[Exception], action: Callable[[], object], *, inputs: str) -> None:
+    """`action()` must raise `error_type` — and not `NotImplementedError`, which a stub raises (a RuntimeError)."""
+    try:
+        action()
+    except NotImplementedError:
+        raise  # `exercising` reports it as "not implemented yet"
+    except error_type:  # the grader keeps a learner's exception type, so this sees the real error
+        return
+    raise AssertionError(f"on input {inputs}: expected {error_type.__name__}, but nothing was raised")

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.validation import FLOAT_DTYPES, check_caches, check_shape, check_tensor, next_power_of_2
+from kernels.validation import check_caches, check_query, check_shape, check_tensor, next_power_of_2
 
 MIN_TOKENS_PER_SPLIT = 256  # below this a segment's fixed cost (q load, merge traffic) outweighs its reads
 
@@ -257,14 +257,7 @@ def paged_decode_attention(
     """
     num_blocks, block_size, num_kv_heads, head_dim = check_caches(key_cache, value_cache)
     device = key_cache.device
-    check_tensor("query", query, 3, FLOAT_DTYPES, device)
-    num_seqs, num_heads = query.shape[:2]
-    if query.shape[2] != head_dim:
-        raise ValueError(f"query has head_dim {query.shape[2]}, key_cache has {head_dim}")
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"query has {num_heads} heads, not a multiple of the cache's {num_kv_heads} KV heads")
-    if query.dtype != key_cache.dtype:
-        raise ValueError(f"query is {query.dtype}, key_cache is {key_cache.dtype}; they must match")
+    num_seqs, num_heads = check_query(query, key_cache)
     check_tensor("block_tables", block_tables, 2, (torch.int32,), device)
     if block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {num_seqs} sequences")

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.paged_decode import _tile_n
-from kernels.validation import FLOAT_DTYPES, check_caches, check_shape, check_tensor, next_power_of_2
+from kernels.validation import check_caches, check_query, check_shape, check_tensor, next_power_of_2
 
 
 @triton.jit
@@ -121,14 +121,7 @@ def unified_attention(
     """
     num_blocks, block_size, num_kv_heads, head_dim = check_caches(key_cache, value_cache)
     device = key_cache.device
-    check_tensor("query", query, 3, FLOAT_DTYPES, device)
-    num_tokens, num_heads = query.shape[:2]
-    if query.shape[2] != head_dim:
-        raise ValueError(f"query has head_dim {query.shape[2]}, key_cache has {head_dim}")
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"query has {num_heads} heads, not a multiple of the cache's {num_kv_heads} KV heads")
-    if query.dtype != key_cache.dtype:
-        raise ValueError(f"query is {query.dtype}, key_cache is {key_cache.dtype}; they must match")
+    num_tokens, num_heads = check_query(query, key_cache)
     check_tensor("block_tables", block_tables, 2, (torch.int32,), device)
     num_seqs = block_tables.shape[0]
     check_tensor("seq_lens", seq_lens, 1, (torch.int32,), device)

@@ -49,6 +49,21 @@ def check_caches(key_cache: object, value_cache: object) -> tuple[int, int, int,
     return num_blocks, block_size, num_kv_heads, head_dim
 
 
+def check_query(query: object, key_cache: torch.Tensor) -> tuple[int, int]:
+    """`query` (rows, Hq, D) on the cache's device, in its dtype and head dim, Hq a multiple of its KV heads;
+    returns (rows, Hq)."""
+    check_tensor("query", query, 3, FLOAT_DTYPES, key_cache.device)
+    num_rows, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    if head_dim != key_cache.shape[3]:
+        raise ValueError(f"query has head_dim {head_dim}, key_cache has {key_cache.shape[3]}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"query has {num_heads} heads, not a multiple of the cache's {num_kv_heads} KV heads")
+    if query.dtype != key_cache.dtype:
+        raise ValueError(f"query is {query.dtype}, key_cache is {key_cache.dtype}; they must match")
+    return num_rows, num_heads
+
+
 def next_power_of_2(n: int) -> int:
     """Triton's `tl.arange` wants a power-of-two length: head dims like 80 are padded and masked."""
     return 1 << max(n - 1, 0).bit_length()

@@ -6,16 +6,14 @@ block manager, `divmod` for the slot mapping, a dense `(seq_len, Hkv, D)` tensor
 attention over that dense tensor for paged attention, and Hugging Face `generate` for paged generation.
 """
 
-import contextlib
 import functools
 import random
-from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from grading import ExerciseError, expect_close, expect_equal
+from grading import exercising, expect_close, expect_equal, expect_raises
 from grading.tiny_models import hf_model, tiny_checkpoint, tiny_model
 from solutions.attention import paged as paged_attention
 from solutions.baselines import naive, paged_generation
@@ -50,30 +48,6 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@contextlib.contextmanager
-def exercising(name: str, inputs: str) -> Iterator[None]:
-    """Report an exception raised inside a class exercise (a stub, or a bug) as that exercise's failure."""
-    try:
-        yield
-    except NotImplementedError as error:
-        raise ExerciseError(f"exercise `{name}` is not implemented yet ({error or 'see its hint'})") from None
-    except AssertionError:
-        raise
-    except Exception as error:
-        raise ExerciseError(
-            f"exercise `{name}` raised {type(error).__name__}: {error}\n  on input: {inputs}"
-        ) from error
-
-
-def expect_raises(error_type: type[Exception], action: Callable[[], object], *, inputs: str) -> None:
-    """`action()` must raise `error_type` — and not `NotImplementedError`, which a stub raises (a RuntimeError)."""
-    try:
-        action()
-    except NotImplementedError:
-        raise  # `exercising` reports it as "not implemented yet"
-    except error_type:  # the grader keeps a learner's exception type, so this sees the real error
-        return
-    raise AssertionError(f"on input {inputs}: expected {error_type.__name__}, but nothing was raised")
 
 
 # --- FreeKVCacheBlockQueue --------------------------------------------------------------------------------------

@@ -6,14 +6,12 @@ themselves for what a prefix hit may return, element-wise tensor copies for `cop
 sort of every (beam, token) candidate for the beam-search step.
 """
 
-import contextlib
 import itertools
-from collections.abc import Iterator
 
 import pytest
 import torch
 
-from grading import ExerciseError, expect_equal
+from grading import exercising, expect_equal
 from solutions import beam_search
 from solutions.attention import paged
 from solutions.attention.paged import KVCache
@@ -31,18 +29,6 @@ REFERENCE = {
 
 pytestmark = pytest.mark.timeout(60)
 
-
-@contextlib.contextmanager
-def exercising(name: str, inputs: str) -> Iterator[None]:
-    """Report an exception raised inside a class exercise (a stub, or a bug) as that exercise's failure."""
-    try:
-        yield
-    except NotImplementedError as error:
-        raise ExerciseError(f"exercise `{name}` is not implemented yet ({error or 'see its hint'})") from None
-    except AssertionError:
-        raise
-    except Exception as error:
-        raise ExerciseError(f"exercise `{name}` raised {type(error).__name__}: {error}\n  on input: {inputs}") from error
 
 
 def queue_ids(pool) -> list[int]:

@@ -6,14 +6,12 @@ for preemption; positions, slots and offsets written out by hand for the flatten
 `generate` for the engine step; a per-row sort in float64 for the top-p and min-p filters.
 """
 
-import contextlib
 import functools
-from collections.abc import Iterator
 
 import pytest
 import torch
 
-from grading import ExerciseError, expect_equal
+from grading import exercising, expect_equal
 from grading.tiny_models import hf_model, tiny_checkpoint
 from solutions import LLM, SamplingParams
 from solutions.core import kv_cache_manager
@@ -36,18 +34,6 @@ REFERENCE = {
 
 pytestmark = pytest.mark.timeout(60)
 
-
-@contextlib.contextmanager
-def exercising(name: str, inputs: str) -> Iterator[None]:
-    """Report an exception raised inside a class exercise (a stub, or a bug) as that exercise's failure."""
-    try:
-        yield
-    except NotImplementedError as error:
-        raise ExerciseError(f"exercise `{name}` is not implemented yet ({error or 'see its hint'})") from None
-    except AssertionError:
-        raise
-    except Exception as error:
-        raise ExerciseError(f"exercise `{name}` raised {type(error).__name__}: {error}\n  on input: {inputs}") from error
 
 
 # --- the scheduler: building blocks ------------------------------------------------------------------------------
