@@ -259,3 +259,55 @@ def test_batched_backend_equals_per_sequence_paged_attention(seed):
     expected = paged_attention(q, oracle_cache.key_caches[0], oracle_cache.value_caches[0], metadata, D**-0.5)
     got = TorchAttentionBackend(cache, metadata).forward(0, q, k, v)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+# --- streaming and logprobs --------------------------------------------------------------------------------
+
+
+def test_streamed_deltas_add_up_to_the_final_output(smollm2_llm):
+    params = SamplingParams(temperature=0.0, max_tokens=40, stop=[" Paris."])
+    prompt = smollm2_llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}], tokenize=False,
+        add_generation_prompt=True,
+    )
+    (final,) = smollm2_llm.generate(prompt, params, use_tqdm=False)
+    engine = smollm2_llm.llm_engine
+    engine.add_request("stream", prompt, params)
+    text, tokens, outputs = "", [], []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            outputs.append(output)
+            text += output.outputs[0].text
+            tokens += output.outputs[0].token_ids
+    assert len(outputs) > 3, "a request reports something at (nearly) every step"
+    assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+    assert text == final.outputs[0].text and tokens == final.outputs[0].token_ids
+    assert final.outputs[0].finish_reason == "stop" and final.outputs[0].stop_reason == " Paris."
+    assert " Paris." not in text, "the stop string is cut from the text, also while streaming"
+
+
+@pytest.fixture(scope="module")
+def smollm2_llm() -> LLM:
+    return LLM(model="smollm2-135m", max_model_len=256, max_num_seqs=8)
+
+
+def test_logprobs_are_the_models_log_softmax():
+    folder = tiny_checkpoint("llama-gqa")
+    llm = LLM(model=str(folder), max_model_len=64)
+    prompt = [1, 2, 3, 4, 5]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == 6
+    with torch.inference_mode():
+        logits = hf_oracle(folder)(torch.tensor([prompt + completion.token_ids])).logits[0]  # (T, V)
+    expected = torch.log_softmax(logits[len(prompt) - 1 : -1].double(), dim=-1)  # (6, V): the step predicting each token
+    total = 0.0
+    for step, (token_id, entry) in enumerate(zip(completion.token_ids, completion.logprobs, strict=True)):
+        top3 = expected[step].topk(3)
+        assert list(entry)[:3] == top3.indices.tolist(), "the top 3, most likely first"
+        for token, logprob in entry.items():
+            assert logprob.logprob == pytest.approx(float(expected[step, token]), abs=1e-4)
+        assert entry[token_id].rank == 1  # greedy: the sampled token is the most likely
+        total += entry[token_id].logprob
+    assert completion.cumulative_logprob == pytest.approx(total)
