@@ -8,15 +8,24 @@
 Cache layout, as in vLLM's FlashAttention backend: `[num_blocks, block_size, num_kv_heads, head_dim]`, block
 tables `[num_seqs, max_blocks]` int32.
 
-Without a CUDA device the kernels run in Triton's interpreter, on the CPU: importing this package sets
-`TRITON_INTERPRET=1` (unless it is already set) before any kernel is decorated, so `import kernels` just works.
+Without a CUDA device the kernels run in Triton's interpreter, on the CPU: importing this package (or `solutions`)
+sets `TRITON_INTERPRET=1` (unless it is already set) before any kernel is decorated, so `import kernels` just works
+— provided Triton itself was not imported earlier without it (then importing this package says so).
 """
 
 import os
+import sys
 
 import torch
 
 if not torch.cuda.is_available():
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        # Triton's own standard library (tl.sum, tl.cdiv, ...) was decorated for compilation when it was imported;
+        # kernels decorated for the interpreter cannot call it. Only setting the switch first avoids that.
+        raise RuntimeError(
+            "Triton was imported before `kernels`, without TRITON_INTERPRET=1, and there is no GPU: import `kernels` "
+            "(or `solutions`) before anything that imports Triton (transformers may), or run with TRITON_INTERPRET=1"
+        )
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kernels.kv_store import kv_store_kernel, store_kv_cache, store_kv_cache_reference  # noqa: E402

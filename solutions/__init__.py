@@ -5,6 +5,16 @@
     llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=32))
 """
 
+import os
+
+import torch
+
+# Without a GPU, Triton runs only in its interpreter (chapter 6's `attention_backend="triton"`), and the switch is
+# read when Triton decorates a function — including its own standard library, when it is first imported (which
+# `transformers` may do). So it is set here, before anything else can import Triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from solutions.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from solutions.llm import LLM
 from solutions.outputs import CompletionOutput, FinishReason, RequestOutput

@@ -330,6 +330,35 @@ def test_split_heuristic_fills_the_device_without_tiny_segments(num_seqs, num_kv
     assert kernels.choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms) == expected
 
 
+# --- Triton's interpreter switch, whatever imported Triton first ------------------------------------------------
+
+_CLEAN_ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter switch matters only without a GPU")
+def test_triton_backend_works_after_a_torch_engine_loaded_transformers():
+    """The user's path: `from solutions import LLM`, a torch-backend engine (its loading imports Triton through
+    transformers), then a Triton-backend engine with the same greedy tokens — in a fresh process."""
+    script = (
+        "from solutions import LLM, SamplingParams\n"
+        "from grading.tiny_models import tiny_checkpoint\n"
+        "folder, params = str(tiny_checkpoint('llama-gqa')), SamplingParams(temperature=0.0, max_tokens=6)\n"
+        "outs = [LLM(model=folder, attention_backend=b).generate([[1, 2, 3]], params, use_tqdm=False) for b in ('torch', 'triton')]\n"
+        "print([o[0].outputs[0].token_ids for o in outs])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=_CLEAN_ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    torch_tokens, triton_tokens = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert triton_tokens == torch_tokens and len(torch_tokens) == 6
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter switch matters only without a GPU")
+def test_importing_kernels_after_a_compiled_triton_says_what_to_do():
+    script = "import triton\nimport kernels\n"
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=_CLEAN_ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "TRITON_INTERPRET=1" in proc.stderr and "import `kernels`" in proc.stderr
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
     sys.path.insert(0, str(ROOT))
     worker_main()
