@@ -28,6 +28,13 @@ def _positive_int(name: str, value: object) -> int:
     return value
 
 
+def _as_prompt_list(prompts: str | list[int] | Seq[str | list[int]]) -> list[str | list[int]]:
+    """One prompt (a string, or a list of token ids) or several, as a list of prompts."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
 class LLM:
     """Load a model once; generate for batches of prompts through the engine (`self.llm_engine`).
 
@@ -108,9 +115,7 @@ class LLM:
         Every request is validated before any is queued, so one bad prompt raises ValueError and leaves the
         engine exactly as it was.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
@@ -163,16 +168,13 @@ class LLM:
         engine = self.llm_engine
         if engine.has_unfinished_requests():
             raise ValueError("beam_search needs an idle engine: finish or abort the unfinished requests first")
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        token_ids = []
-        for prompt in prompts:
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) and self.tokenizer is not None else prompt
-            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and 0 <= t < self.model.config.vocab_size for t in ids):
-                raise ValueError(f"each prompt must be a string or a non-empty list of token ids in [0, vocab_size), got {prompt!r}")
-            if len(ids) >= engine.max_model_len:
-                raise ValueError(f"a prompt has {len(ids)} tokens; it must be shorter than max_model_len={engine.max_model_len}")
-            token_ids.append(ids)
+        prompts = _as_prompt_list(prompts)
+        # The processor validates and tokenises each prompt as for `generate` (same checks, same messages).
+        limits = SamplingParams(max_tokens=params.max_tokens)
+        token_ids = [
+            engine.processor.process_inputs(f"beam-{i}", prompt, limits, priority=0, arrival=0).prompt_token_ids
+            for i, prompt in enumerate(prompts)
+        ]
         beams = run_beam_search(
             engine.kv_cache_manager, engine.model_runner, token_ids, params,
             eos_token_id=self.model.config.eos_token_id, max_model_len=engine.max_model_len, seq_ids=engine._seq_ids,
