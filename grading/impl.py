@@ -85,12 +85,21 @@ def _reported_class(name: str, cls: type) -> type:
     return type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__, **methods})
 
 
-def load_mutants(chapter: str) -> dict[str, dict[str, Any]]:
-    """Plausible wrong implementations for a chapter, from tests/mutants/ch<NN>.py (`MUTANTS`)."""
+def _mutants_module(chapter: str) -> Any:
     path = ROOT / "tests" / "mutants" / f"ch{chapter[:2]}.py"
     spec = importlib.util.spec_from_file_location(f"mutants_ch{chapter[:2]}", path)
     if spec is None or spec.loader is None or not path.exists():
         raise ValueError(f"no mutants for chapter {chapter}: {path} is missing")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.MUTANTS
+    return module
+
+
+def load_mutants(chapter: str) -> dict[str, dict[str, Any]]:
+    """Plausible wrong implementations for a chapter, from tests/mutants/ch<NN>.py (`MUTANTS`)."""
+    return _mutants_module(chapter).MUTANTS
+
+
+def load_capstone_mutants(chapter: str) -> dict[str, str]:
+    """exercise -> the name of one of its mutants that must make the chapter's capstone fail (`CAPSTONE_MUTANTS`)."""
+    return getattr(_mutants_module(chapter), "CAPSTONE_MUTANTS", {})

@@ -3,19 +3,21 @@
 (That the reference passes every chapter test is the main test command itself: `pytest --impl=reference`.)
 """
 
+import functools
 import inspect
 import json
 import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from collections import Counter
 from pathlib import Path
 
 import nbformat
 import pytest
 
 from grading import CHAPTERS
-from grading.impl import ROOT, load_mutants
+from grading.impl import ROOT, load_capstone_mutants, load_mutants
 from grading.notebook import exercise_cells, load_exercises
 from grading.notebooks import chapter_reference
 
@@ -55,12 +57,18 @@ def test_shipped_stubs_fail_every_test(chapter, tmp_path):
     assert not unexplained, f"these tests fail on stubs without saying the exercise is not implemented: {unexplained}"
 
 
+@functools.cache
+def mutation_summary(chapter: str) -> dict[str, dict[str, object]]:
+    """`python -m grading.mutation <chapter> --json`, run once per chapter for the tests below."""
+    cmd = [sys.executable, "-m", "grading.mutation", chapter, "--json"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("chapter", CHAPTER_NAMES)
 def test_every_mutant_fails_a_test_of_its_exercise(chapter):
-    cmd = [sys.executable, "-m", "grading.mutation", chapter, "--json"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    summary = mutation_summary(chapter)
     assert summary.keys() == load_mutants(chapter).keys()
     for name, row in summary.items():
         print(f"{chapter} mutant {name}: {row['failed']} of {row['failed'] + row['passed']} tests of {row['exercise']} fail")
@@ -71,8 +79,26 @@ def test_every_mutant_fails_a_test_of_its_exercise(chapter):
 
 
 @pytest.mark.parametrize("chapter", CHAPTER_NAMES)
-def test_every_chapter_has_at_least_two_mutants(chapter):
-    assert len(load_mutants(chapter)) >= 2
+def test_every_exercise_has_at_least_three_mutants(chapter):
+    per_exercise = Counter(exercise for replacement in load_mutants(chapter).values() for exercise in replacement)
+    few = {name: per_exercise[name] for name in chapter_reference(chapter) if per_exercise[name] < 3}
+    assert not few, f"exercises with fewer than 3 mutants: {few}"
+
+
+@pytest.mark.parametrize("chapter", CHAPTER_NAMES)
+def test_capstone_fails_when_any_one_piece_is_a_mutant(chapter):
+    """The capstone runs the chapter's pieces together: one mutant of each exercise, alone, must break it."""
+    source = (CHAPTERS / chapter / f"test_{chapter}.py").read_text()
+    assert 'exercise("capstone")' in source, f"{chapter} has no test marked @pytest.mark.exercise('capstone')"
+    capstone_mutants, mutants = load_capstone_mutants(chapter), load_mutants(chapter)
+    missing = [name for name in chapter_reference(chapter) if name not in capstone_mutants]
+    assert not missing, f"CAPSTONE_MUTANTS names no mutant for exercises {missing}"
+    summary = mutation_summary(chapter)
+    for exercise, mutant in capstone_mutants.items():
+        assert exercise in mutants.get(mutant, {}), f"CAPSTONE_MUTANTS[{exercise!r}] = {mutant!r} is not a mutant of {exercise}"
+        row = summary[mutant]
+        assert row["capstone_passed"] + row["capstone_failed"] > 0, f"no capstone test ran for mutant {mutant}"
+        assert row["capstone_failed"] > 0, f"the capstone passes with {exercise} replaced by mutant {mutant}"
 
 
 def normalized_signature(obj: object) -> str:
