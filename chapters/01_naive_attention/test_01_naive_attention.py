@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from grading import expect_close, expect_equal
+from grading.capstone import CAPSTONE_PROMPTS, smollm2, smollm2_greedy, swap_in
 from grading.tiny_models import hf_model, tiny_checkpoint, tiny_model
 from solutions.attention import causal as attention
 from solutions.baselines import naive
@@ -56,6 +57,18 @@ def test_rms_norm_uses_eps_for_tiny_inputs(impl):
     expect_close(impl.rms_norm(x, w, 1e-2), layers.rms_norm(x, w, 1e-2), inputs="x randn(4, 8)*1e-4 (eps dominates), eps 1e-2")
 
 
+@pytest.mark.exercise("rms_norm")
+def test_rms_norm_of_large_float16_activations(impl):
+    # Residual streams of real models hold values in the hundreds; their squares overflow float16 (max 65504).
+    x = (randn(4, 64, seed=26) * 300).half()
+    w = (1 + 0.1 * randn(64, seed=27)).half()
+    norm = LlamaRMSNorm(64, eps=1e-5).half()
+    with torch.no_grad():
+        norm.weight.copy_(w)
+    inputs = "x float16 randn(4, 64)*300 (x² overflows float16), weight float16, eps 1e-5 (HF LlamaRMSNorm in float16)"
+    expect_close(impl.rms_norm(x, w, 1e-5), norm(x).detach(), inputs=inputs, atol=1e-3, rtol=4e-3)
+
+
 # --- apply_rope -----------------------------------------------------------------------------------------
 
 
@@ -72,6 +85,15 @@ def test_apply_rope_matches_hugging_face(impl):
     inputs = "q randn(6, 4, 16) at positions [0, 1, 2, 7, 30, 100], theta 10000"
     expect_close(impl.apply_rope(q, cos, sin), hf_q[0].transpose(0, 1), inputs=inputs)  # HF's layout: (B, H, T, D)
     expect_close(impl.apply_rope(k, cos, sin), hf_k[0].transpose(0, 1), inputs=inputs.replace("q randn(6, 4", "k randn(6, 2"))
+
+
+@pytest.mark.exercise("apply_rope")
+def test_apply_rope_rotates_each_token_by_its_own_angles(impl):
+    positions = torch.tensor([3, 10, 11, 50])
+    cos, sin = _rope_tables(positions, 8)
+    x = randn(4, 4, 8, seed=30)  # as many tokens as heads: (T, D) tables broadcast against (T, H, D) without an error
+    inputs = "x randn(T=4, H=4, 8) at positions [3, 10, 11, 50]: token t's heads all turn by position t's angles"
+    expect_close(impl.apply_rope(x, cos, sin), layers.apply_rope(x, cos, sin), inputs=inputs)
 
 
 @pytest.mark.exercise("apply_rope")
@@ -118,7 +140,7 @@ def test_repeat_kv_with_one_query_per_kv_is_identity(impl):
 
 
 @pytest.mark.exercise("causal_attention")
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 1), (9, 3)])
 def test_causal_attention_matches_torch_sdpa(impl, num_heads, num_kv_heads):
     q, k, v = randn(9, num_heads, 8, seed=12), randn(9, num_kv_heads, 8, seed=13), randn(9, num_kv_heads, 8, seed=14)
     want = F.scaled_dot_product_attention(
@@ -159,6 +181,18 @@ def test_decoder_layer_matches_reference(impl, name):
     expect_close(got, want, inputs=f"layer 1 of tiny {name}, hidden randn(7, {model.config.hidden_size})")
 
 
+@pytest.mark.exercise("decoder_layer")
+def test_decoder_layer_rotates_by_the_positions_it_is_given(impl):
+    model = tiny_model("llama-gqa")
+    hidden, positions = randn(7, model.config.hidden_size, seed=25), torch.tensor([0, 2, 3, 7, 8, 12, 30])
+    layer = model.model.layers[0]
+    with torch.inference_mode():
+        want = naive.decoder_layer(layer, positions, hidden)
+        got = impl.decoder_layer(layer, positions, hidden)
+    inputs = f"layer 0 of tiny llama-gqa, hidden randn(7, {model.config.hidden_size}) at positions {positions.tolist()}"
+    expect_close(got, want, inputs=inputs)
+
+
 @pytest.mark.exercise("forward")
 @pytest.mark.parametrize("name", ["llama-gqa", "llama-mha-llama3-rope-bias", "qwen2-bias-mqa", "mistral-linear-rope"])
 def test_forward_matches_hugging_face_logits(impl, name):
@@ -184,3 +218,21 @@ def test_generate_naive_matches_hugging_face_generate(impl):
 @pytest.mark.exercise("generate_naive")
 def test_generate_naive_zero_tokens(impl):
     expect_equal(impl.generate_naive(tiny_model("llama-gqa"), [1, 2, 3], 0), [], inputs="prompt [1, 2, 3], 0 new tokens")
+
+
+# --- capstone: your pieces together, on the real model ----------------------------------------------------
+
+CAPSTONE_PROMPT = 1  # "Once upon a time": 4 tokens, short enough for the naive loop
+CAPSTONE_TOKENS = 6
+
+
+@pytest.mark.exercise("capstone")
+def test_capstone_your_generate_naive_speaks_like_hugging_face(impl):
+    """Your generate_naive, running on your forward, decoder_layer, causal_attention, repeat_kv, apply_rope and
+    rms_norm, must produce Hugging Face's greedy tokens for SmolLM2-135M-Instruct."""
+    model, _ = smollm2()
+    prompt = CAPSTONE_PROMPTS[CAPSTONE_PROMPT]
+    with swap_in(impl, REFERENCE) as mine:
+        got = mine.generate_naive(model, prompt, CAPSTONE_TOKENS)
+    inputs = f"SmolLM2-135M-Instruct, prompt {prompt} ('Once upon a time'), {CAPSTONE_TOKENS} new tokens, all your pieces"
+    expect_equal(got, smollm2_greedy(CAPSTONE_PROMPT, CAPSTONE_TOKENS), inputs=inputs)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from grading import expect_close, expect_equal
+from grading.capstone import CAPSTONE_PROMPTS, smollm2, smollm2_greedy, swap_in
 from grading.impl import describe
 from grading.tiny_models import hf_model, tiny_checkpoint, tiny_model
 from solutions.baselines import contiguous_cache, naive
@@ -106,6 +107,14 @@ def test_cache_write_past_max_len_raises_value_error(impl):
     k = randn(1, 2, 4, seed=6)
     write_past_the_end = functools.partial(cache.write, 0, torch.tensor([4]), k, k)
     expect_value_error(write_past_the_end, inputs="cache(max_len=4), write at position 4")
+
+
+@pytest.mark.exercise("ContiguousKVCache")
+def test_cache_write_that_runs_past_max_len_raises_value_error(impl):
+    cache = impl.ContiguousKVCache(1, 4, 2, 4)
+    k = randn(3, 2, 4, seed=7)
+    write_across_the_end = functools.partial(cache.write, 0, torch.arange(2, 5), k, k)
+    expect_value_error(write_across_the_end, inputs="cache(max_len=4), one write of positions 2, 3, 4")
 
 
 # --- prefill ----------------------------------------------------------------------------------------------
@@ -203,3 +212,23 @@ def test_generate_with_cache_refuses_a_too_small_reservation(impl):
         functools.partial(impl.generate_with_cache, model, PROMPT, 8, 10),
         inputs=f"tiny llama-gqa, prompt {PROMPT}, 8 new tokens, max_len=10 (positions 0-13 need 14 slots)",
     )
+
+
+# --- capstone: your pieces together, on the real model ----------------------------------------------------
+
+CAPSTONE_TOKENS = 8
+CAPSTONE_CASES = {0: "the chat question 'What is the capital of France?'", 3: "'The quick brown fox jumps over the lazy dog. The dog'"}
+
+
+@pytest.mark.exercise("capstone")
+@pytest.mark.parametrize("prompt_index,max_len", [(0, None), (3, 64)])
+def test_capstone_your_cache_speaks_like_hugging_face(impl, prompt_index, max_len):
+    """Your generate_with_cache, running your prefill and decode_step on your ContiguousKVCache, must produce
+    Hugging Face's greedy tokens for SmolLM2-135M-Instruct: with the oracle reservation and with a larger one."""
+    model, _ = smollm2()
+    prompt = CAPSTONE_PROMPTS[prompt_index]
+    with swap_in(impl, REFERENCE) as mine:
+        got = mine.generate_with_cache(model, prompt, CAPSTONE_TOKENS, max_len)
+    inputs = (f"SmolLM2-135M-Instruct, prompt {CAPSTONE_CASES[prompt_index]} ({len(prompt)} tokens), "
+              f"{CAPSTONE_TOKENS} new tokens, max_len={max_len}, all your pieces")
+    expect_equal(got, smollm2_greedy(prompt_index, CAPSTONE_TOKENS), inputs=inputs)

@@ -2,7 +2,8 @@
 
 Shapes use one set of letters everywhere in the course:
 T tokens (flattened over every sequence in the batch), D_model hidden width, Hq query heads,
-Hkv key/value heads, D head width, V vocabulary. All activations here are float32.
+Hkv key/value heads, D head width, V vocabulary. Activations are in the weights' dtype (float32 by default;
+bfloat16 or float16 on request), with Hugging Face's float32 islands: RMSNorm's statistics and RoPE's angles.
 
 Where this lives in vLLM: `vllm/model_executor/layers/layernorm.py` (RMSNorm),
 `vllm/model_executor/layers/rotary_embedding/` (get_rope), `vllm/model_executor/models/llama.py` (LlamaMLP).
@@ -19,10 +20,12 @@ from torch import nn
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Scale each row of `x` (..., D_model) to unit root-mean-square, then by `weight` (D_model,).
 
-    Unlike LayerNorm there is no mean subtraction and no bias: x / sqrt(mean(x²) + eps) * weight.
+    Unlike LayerNorm there is no mean subtraction and no bias: x / sqrt(mean(x²) + eps) * weight. The statistics
+    are taken in float32 whatever x's dtype (a bf16 mean of squares loses the small terms), as Hugging Face does.
     """
-    variance = x.pow(2).mean(dim=-1, keepdim=True)  # (..., 1)
-    return weight * (x * torch.rsqrt(variance + eps))  # (..., D_model)
+    x32 = x.float()
+    variance = x32.pow(2).mean(dim=-1, keepdim=True)  # (..., 1)
+    return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)  # (..., D_model)
 
 
 class RMSNorm(nn.Module):
@@ -86,6 +89,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # (T, H, D)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # angles are float32; the product stays in x's dtype (as HF)
     return x * cos[:, None, :] + rotated * sin[:, None, :]  # (T, H, D)
 
 
