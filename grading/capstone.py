@@ -4,7 +4,7 @@ Each chapter grades its exercises one at a time; its capstone then runs them *to
 holds the result to an oracle that owes nothing to this repository: the tokens Hugging Face `transformers`
 produces. There is no second engine for this. `swap_in` puts each exercise object in place of the reference
 object wherever a module of `solutions/`, `kernels/` or `benchmarks/` holds it as an attribute — the engine's
-`Scheduler`, the scheduler module's `preempt`, the block manager's `BlockPool`, the Triton backend's kernels —
+`Scheduler`, the scheduler module's `allocate_or_preempt`, the block manager's `BlockPool`, the Triton backend's kernels —
 so the reference engine, unchanged, runs on the learner's parts, and on no reference part an exercise replaces.
 
     with swap_in(impl, REFERENCE) as mine:          # in a chapter's test file

@@ -1,8 +1,8 @@
 """Grading tests for chapter 05 — continuous batching.
 
 Each test grades one exercise (`@pytest.mark.exercise`). The oracles are independent of the code under test:
-budgets, chunks and admissions counted by hand for the scheduler; the pool's free count and the queue's order
-for preemption; positions, slots and offsets written out by hand for the flattened batch; Hugging Face
+budgets, chunks and admissions counted by hand for the scheduler; the victims, the batch, the budget handed
+back and the pool's free count, worked out by hand, for preemption; positions, slots and offsets written out by hand for the flattened batch; Hugging Face
 `generate` for the engine step; a per-row sort in float64 for the top-p and min-p filters.
 """
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from grading import exercising, expect_equal
+from grading.capstone import CAPSTONE_PROMPTS, smollm2, smollm2_greedy, swap_in
 from grading.tiny_models import hf_model, tiny_checkpoint
 from solutions import LLM, SamplingParams
 from solutions.core import kv_cache_manager
@@ -25,7 +26,7 @@ from solutions.worker import model_runner
 
 REFERENCE = {
     "Scheduler": scheduler_module.Scheduler,
-    "preempt": scheduler_module.preempt,
+    "allocate_or_preempt": scheduler_module.allocate_or_preempt,
     "prepare_inputs": model_runner.prepare_inputs,
     "engine_step": llm_engine.engine_step,
     "apply_top_p": sampler.apply_top_p,
@@ -39,8 +40,9 @@ pytestmark = pytest.mark.timeout(60)
 # --- the scheduler: building blocks ------------------------------------------------------------------------------
 
 
-def make_scheduler(cls, *, num_blocks=32, block_size=4, max_num_seqs=8, budget=16, threshold=None, policy="fcfs"):
-    manager = kv_cache_manager.KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+def make_scheduler(cls, *, num_blocks=32, block_size=4, max_num_seqs=8, budget=16, threshold=None, policy="fcfs",
+                   prefix_caching=False):
+    manager = kv_cache_manager.KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
     return cls(
         manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
         long_prefill_token_threshold=threshold or budget, policy=SchedulingPolicy(policy),
@@ -226,57 +228,216 @@ def test_schedule_admits_nothing_in_a_step_that_preempts(impl):
                  inputs=f"{inputs}; id 2 after the step (the freed block is for the running, not a newcomer)")
 
 
-# --- preempt -----------------------------------------------------------------------------------------------------
+@pytest.mark.exercise("Scheduler")
+def test_schedule_starts_an_admitted_prompt_at_its_cached_tokens(impl):
+    inputs = ("prefix caching on, block_size 4, budget 16; a 10-token prompt (id 0) runs and finishes; then an "
+              "11-token prompt (id 1) sharing its first 8 tokens arrives")
+    with exercising("Scheduler", inputs):
+        sched = make_scheduler(impl.Scheduler, prefix_caching=True)
+        first = waiting_seq(sched, 0, 10)
+        run_batch(sched.schedule(), sched)
+        cached_blocks = list(first.block_table) or "(freed)"
+        second = Sequence(1, list(range(10, 18)) + [90, 91, 92])
+        sched.add_seq(second)
+        out = sched.schedule()
+    expect_equal(batch(out), [(1, 3)], inputs=f"{inputs}; (seq_id, tokens) scheduled — only the 3 tokens after the 2 cached blocks")
+    expect_equal(out.num_cached_tokens, {1: 8}, inputs=f"{inputs}; num_cached_tokens")
+    expect_equal(second.num_computed_tokens, 8, inputs=f"{inputs}; num_computed_tokens of id 1 after schedule()")
+    expect_equal(len(second.block_table), 3, inputs=f"{inputs}; blocks of id 1 (2 cached + 1 new; {cached_blocks})")
+    expect_equal((out.num_prefill_tokens, out.num_decode_tokens), (3, 0), inputs=f"{inputs}; (prefill, decode) tokens")
 
 
-@pytest.mark.exercise("preempt")
-def test_preempt_frees_every_block_and_requeues_at_the_front(impl):
-    inputs = "8 blocks of 4; running ids 0 (6 tokens) and 1 (10 tokens); waiting id 2; preempt id 1"
+@pytest.mark.exercise("Scheduler")
+def test_schedule_chunks_a_cached_prompt_from_its_cached_tokens(impl):
+    inputs = ("prefix caching on, block_size 4, budget 16, long_prefill_token_threshold 2; a 10-token prompt (id 0) "
+              "runs and finishes; then a 13-token prompt (id 1) sharing its first 8 tokens, over three steps")
+    with exercising("Scheduler", inputs):
+        sched = make_scheduler(impl.Scheduler, prefix_caching=True, threshold=16)
+        waiting_seq(sched, 0, 10)
+        run_batch(sched.schedule(), sched)
+        sched.long_prefill_token_threshold = 2
+        sched.add_seq(Sequence(1, list(range(10, 18)) + [90, 91, 92, 93, 94]))
+        steps = []
+        for _ in range(3):
+            out = sched.schedule()
+            steps.append((batch(out), [s.num_computed_tokens for s in out.scheduled_seqs]))
+            run_batch(out, sched)
+    expect_equal(steps, [([(1, 2)], [8]), ([(1, 2)], [10]), ([(1, 1)], [12])],
+                 inputs=f"{inputs}; per step: (seq_id, tokens) scheduled and num_computed_tokens at schedule time")
+
+
+@pytest.mark.exercise("Scheduler")
+def test_schedule_resumes_a_preempted_sequence_where_it_was(impl):
+    inputs = ("prefix caching on, block_size 4, budget 16; id 0 (6 prompt + 3 output tokens, 8 computed) was "
+              "preempted (its 2 full blocks stay cached); a new 3-token prompt (id 1) waits behind it")
+    with exercising("Scheduler", inputs):
+        sched = make_scheduler(impl.Scheduler, prefix_caching=True)
+        resumed = decoding_seq(sched, 0, 6, 3)
+        sched._preempt_request(resumed, SchedulerOutput())
+        newcomer = waiting_seq(sched, 1, 3)
+        out = sched.schedule()
+    expect_equal(batch(out), [(0, 1), (1, 3)], inputs=f"{inputs}; (seq_id, tokens) scheduled — id 0 finds its 8 tokens cached")
+    expect_equal((out.resumed_seq_ids, out.new_seq_ids), ([0], [1]), inputs=f"{inputs}; (resumed_seq_ids, new_seq_ids)")
+    expect_equal(out.num_cached_tokens, {0: 8, 1: 0}, inputs=f"{inputs}; num_cached_tokens")
+    expect_equal((resumed.status, newcomer.status), (SequenceStatus.RUNNING, SequenceStatus.RUNNING), inputs=f"{inputs}; statuses")
+    expect_equal((resumed.num_computed_tokens, resumed.num_tokens), (8, 9), inputs=f"{inputs}; id 0's (computed, total) tokens")
+    expect_equal([s.seq_id for s in sched.running], [0, 1], inputs=f"{inputs}; running")
+
+
+@pytest.mark.exercise("Scheduler")
+def test_schedule_resumes_without_a_prefix_cache_from_scratch(impl):
+    inputs = ("prefix caching off, block_size 4, budget 16; id 0 (6 prompt + 3 output tokens) was preempted; "
+              "two steps: the recompute, then its next decode")
+    with exercising("Scheduler", inputs):
+        sched = make_scheduler(impl.Scheduler)
+        resumed = decoding_seq(sched, 0, 6, 3)
+        sched._preempt_request(resumed, SchedulerOutput())
+        first = sched.schedule()
+        record = [(batch(first), first.resumed_seq_ids, first.new_seq_ids, resumed.status)]
+        run_batch(first)
+        resumed.append_token(300)  # the recompute's last row samples the next token
+        second = sched.schedule()
+        record.append((batch(second), second.resumed_seq_ids, second.new_seq_ids, resumed.status))
+    want = [([(0, 9)], [0], [], SequenceStatus.RUNNING), ([(0, 1)], [], [], SequenceStatus.RUNNING)]
+    expect_equal(record, want, inputs=f"{inputs}; per step: (batch, resumed_seq_ids, new_seq_ids, status of id 0)")
+    expect_equal((second.num_decode_tokens, second.num_prefill_tokens), (1, 0), inputs=f"{inputs}; (decode, prefill) of step 2")
+
+
+# --- allocate_or_preempt -----------------------------------------------------------------------------------------
+
+
+def prompt_seq(sched, seq_id: int, num_prompt: int, num_computed: int, priority: int = 0) -> Sequence:
+    """A running sequence in the middle of its prompt: blocks for `num_computed` tokens, all of them computed."""
+    seq = Sequence(seq_id, list(range(10, 10 + num_prompt)), priority=priority, arrival=seq_id)
+    assert sched.kv_cache_manager.allocate_slots(seq, num_computed) is not None
+    seq.num_computed_tokens = num_computed
+    sched.add_running(seq)
+    return seq
+
+
+def call_allocate_or_preempt(impl, sched, seq, num_new_tokens, out, copies, inputs):
+    with exercising("allocate_or_preempt", inputs):
+        result = impl.allocate_or_preempt(sched, seq, num_new_tokens, out, copies)
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise AssertionError(f"on input {inputs}: expected (copies or None, budget handed back), got {result!r:.100}")
+    return result
+
+
+@pytest.mark.exercise("allocate_or_preempt")
+def test_allocate_or_preempt_allocates_when_blocks_are_free(impl):
+    inputs = "FCFS, 8 blocks of 4, 4 free; running ids 0 and 1, 8 tokens computed each; id 0 needs 1 new token"
     sched = make_scheduler(scheduler_module.Scheduler, num_blocks=8)
-    decoding_seq(sched, 0, 5, 1)
-    victim = decoding_seq(sched, 1, 8, 2)
-    waiting_seq(sched, 2, 3)
+    first = decoding_seq(sched, 0, 6, 3)
+    decoding_seq(sched, 1, 6, 3)
     out = SchedulerOutput()
-    impl.preempt(sched, victim, out)
-    expect_equal(victim.block_table, [], inputs=f"{inputs}; block table of id 1")
-    expect_equal(sched.kv_cache_manager.num_free_blocks, 8 - 2, inputs=f"{inputs}; free blocks (id 0 keeps its 2)")
-    expect_equal(victim.num_computed_tokens, 0, inputs=f"{inputs}; num_computed_tokens of id 1 (recompute from 0)")
-    expect_equal(victim.num_tokens, 10, inputs=f"{inputs}; tokens of id 1 (kept, to be recomputed)")
-    expect_equal(victim.status, SequenceStatus.PREEMPTED, inputs=f"{inputs}; status of id 1")
-    expect_equal([s.seq_id for s in sched.running], [0], inputs=f"{inputs}; running")
-    expect_equal([s.seq_id for s in sched.waiting], [1, 2], inputs=f"{inputs}; waiting (the victim first)")
-    expect_equal(out.preempted_seq_ids, [1], inputs=f"{inputs}; out.preempted_seq_ids")
-    expect_equal(sched.num_preemptions, 1, inputs=f"{inputs}; num_preemptions")
+    got = call_allocate_or_preempt(impl, sched, first, 1, out, {}, inputs)
+    expect_equal(got, ([], 0), inputs=f"{inputs}; (copies, budget handed back)")
+    expect_equal(out.preempted_seq_ids, [], inputs=f"{inputs}; preempted_seq_ids")
+    expect_equal((len(first.block_table), sched.kv_cache_manager.num_free_blocks), (3, 3), inputs=f"{inputs}; (blocks of id 0, free blocks)")
 
 
-@pytest.mark.exercise("preempt")
-def test_preempt_then_resume_gives_the_blocks_back_every_time(impl):
-    inputs = "6 blocks of 4; one sequence of 11 tokens, preempted and re-admitted three times"
+@pytest.mark.exercise("allocate_or_preempt")
+def test_allocate_or_preempt_fcfs_preempts_the_last_to_start(impl):
+    inputs = ("FCFS, 6 blocks of 4, none free; running ids 0, 1, 2 (started in that order), 8 tokens computed and "
+              "a 9th to compute each; room for id 0's 9th token")
     sched = make_scheduler(scheduler_module.Scheduler, num_blocks=6)
-    seq = decoding_seq(sched, 0, 9, 2)
-    free = []
-    for _ in range(3):
-        impl.preempt(sched, seq, SchedulerOutput())
-        free.append(sched.kv_cache_manager.num_free_blocks)
-        out = sched.schedule()  # the reference scheduler re-admits it: the whole sequence again
-        free.append(sched.kv_cache_manager.num_free_blocks)
-        expect_equal(batch(out), [(0, 11)], inputs=f"{inputs}; the step after a preemption recomputes everything")
-        run_batch(out)
-    expect_equal(free, [6, 3] * 3, inputs=f"{inputs}; free blocks after each preemption and re-admission")
+    seqs = [decoding_seq(sched, i, 6, 3) for i in range(3)]
+    waiting_seq(sched, 3, 2)
+    out = SchedulerOutput()
+    got = call_allocate_or_preempt(impl, sched, seqs[0], 1, out, {}, inputs)
+    expect_equal(got, ([], 0), inputs=f"{inputs}; (copies, budget handed back)")
+    expect_equal(out.preempted_seq_ids, [2], inputs=f"{inputs}; preempted_seq_ids (the last to start running)")
+    expect_equal([s.seq_id for s in sched.running], [0, 1], inputs=f"{inputs}; running")
+    expect_equal([s.seq_id for s in sched.waiting], [2, 3], inputs=f"{inputs}; waiting (the victim at the front)")
+    expect_equal((seqs[2].status, seqs[2].num_computed_tokens, seqs[2].block_table), (SequenceStatus.PREEMPTED, 0, []),
+                 inputs=f"{inputs}; id 2's (status, num_computed_tokens, block_table)")
+    expect_equal([len(s.block_table) for s in seqs[:2]], [3, 2], inputs=f"{inputs}; blocks of ids 0, 1")
+    expect_equal(sched.kv_cache_manager.num_free_blocks, 1, inputs=f"{inputs}; free blocks")
 
 
-@pytest.mark.exercise("preempt")
+@pytest.mark.exercise("allocate_or_preempt")
+def test_allocate_or_preempt_preempts_until_there_is_room(impl):
+    inputs = ("FCFS, 4 blocks of 4, none free; running: id 0 with 8 of its 16 prompt tokens computed (2 blocks), "
+              "ids 1 and 2 decoding in 1 block each; room for id 0's next 8 tokens (2 more blocks)")
+    sched = make_scheduler(scheduler_module.Scheduler, num_blocks=4)
+    first = prompt_seq(sched, 0, 16, 8)
+    decoding_seq(sched, 1, 3, 1)
+    decoding_seq(sched, 2, 3, 1)
+    out = SchedulerOutput()
+    got = call_allocate_or_preempt(impl, sched, first, 8, out, {}, inputs)
+    expect_equal(got, ([], 0), inputs=f"{inputs}; (copies, budget handed back)")
+    expect_equal(out.preempted_seq_ids, [2, 1], inputs=f"{inputs}; preempted_seq_ids (newest first, as many as needed)")
+    expect_equal([s.seq_id for s in sched.waiting], [1, 2], inputs=f"{inputs}; waiting")
+    expect_equal(len(first.block_table), 4, inputs=f"{inputs}; blocks of id 0")
+
+
+@pytest.mark.exercise("allocate_or_preempt")
+def test_allocate_or_preempt_stops_when_the_victim_is_the_sequence_itself(impl):
+    inputs = ("FCFS, 4 blocks of 4, none free; running: id 0 (7 tokens, 6 computed, already in the batch with 1 "
+              "token), id 1 (9 tokens, 8 computed, needs a 3rd block); room for id 1's 9th token")
+    sched = make_scheduler(scheduler_module.Scheduler, num_blocks=4)
+    first = decoding_seq(sched, 0, 5, 2)
+    second = decoding_seq(sched, 1, 6, 3)
+    out, copies = SchedulerOutput(), {}
+    sched._add_to_batch(out, first, 1, sched.kv_cache_manager.allocate_slots(first, 1), copies)
+    got = call_allocate_or_preempt(impl, sched, second, 1, out, copies, inputs)
+    expect_equal(got, (None, 0), inputs=f"{inputs}; (copies, budget handed back): None, id 1 was its own victim")
+    expect_equal(batch(out), [(0, 1)], inputs=f"{inputs}; the batch (id 0 keeps its place)")
+    expect_equal(out.preempted_seq_ids, [1], inputs=f"{inputs}; preempted_seq_ids")
+    expect_equal(([s.seq_id for s in sched.running], [s.seq_id for s in sched.waiting]), ([0], [1]), inputs=f"{inputs}; (running, waiting)")
+    expect_equal((second.block_table, sched.kv_cache_manager.num_free_blocks), ([], 2), inputs=f"{inputs}; (id 1's blocks, free blocks)")
+
+
+@pytest.mark.exercise("allocate_or_preempt")
+def test_allocate_or_preempt_takes_a_scheduled_victim_out_of_the_batch(impl):
+    inputs = ("PRIORITY, 6 blocks of 4, none free; running: id 0 (priority 0, decoding, not yet scheduled), id 1 "
+              "(priority 5, its prompt chunk of 4 tokens already in the batch), id 2 (priority 1, decoding); room "
+              "for id 2's 9th token")
+    sched = make_scheduler(scheduler_module.Scheduler, num_blocks=6, policy="priority")
+    decoding_seq(sched, 0, 6, 3)
+    chunked = prompt_seq(sched, 1, 12, 4, priority=5)
+    third = decoding_seq(sched, 2, 6, 3)
+    third.priority = 1
+    out, copies = SchedulerOutput(), {}
+    sched._add_to_batch(out, chunked, 4, sched.kv_cache_manager.allocate_slots(chunked, 4), copies)
+    got = call_allocate_or_preempt(impl, sched, third, 1, out, copies, inputs)
+    expect_equal(got, ([], 4), inputs=f"{inputs}; (copies, budget handed back: id 1's 4 tokens)")
+    expect_equal(out.preempted_seq_ids, [1], inputs=f"{inputs}; preempted_seq_ids (the lowest priority: largest value)")
+    expect_equal(batch(out), [], inputs=f"{inputs}; the batch (the victim taken out)")
+    expect_equal((out.num_prefill_tokens, out.num_decode_tokens), (0, 0), inputs=f"{inputs}; the batch's (prefill, decode) tokens")
+    expect_equal(sched.kv_cache_manager.num_free_blocks, 1, inputs=f"{inputs}; free blocks")
+
+
+@pytest.mark.exercise("allocate_or_preempt")
+def test_allocate_or_preempt_priority_ties_go_to_the_latest_arrival(impl):
+    inputs = ("PRIORITY, 6 blocks of 4, none free; running: id 0 (priority 0), ids 1 and 2 (priority 3, arrivals 1 "
+              "and 2), each 8 tokens computed and a 9th to compute; room for id 0's 9th token")
+    sched = make_scheduler(scheduler_module.Scheduler, num_blocks=6, policy="priority")
+    seqs = [decoding_seq(sched, i, 6, 3) for i in range(3)]
+    for seq, priority in zip(seqs, (0, 3, 3)):
+        seq.priority, seq.arrival = priority, seq.seq_id
+    sched.running = [seqs[0], seqs[2], seqs[1]]  # started running out of arrival order (id 1 after a preemption)
+    out = SchedulerOutput()
+    got = call_allocate_or_preempt(impl, sched, seqs[0], 1, out, {}, inputs)
+    expect_equal(got, ([], 0), inputs=f"{inputs}; (copies, budget handed back)")
+    expect_equal(out.preempted_seq_ids, [2], inputs=f"{inputs}; preempted_seq_ids (equal priority: the latest arrival)")
+
+
+@pytest.mark.exercise("allocate_or_preempt")
 def test_preempted_sequences_resume_with_hugging_faces_tokens(impl, monkeypatch):
-    monkeypatch.setattr(scheduler_module, "preempt", impl.preempt)  # the engine's scheduler now preempts with yours
+    monkeypatch.setattr(scheduler_module, "allocate_or_preempt", impl.allocate_or_preempt)  # the engine's scheduler now preempts with yours
     folder = tiny_checkpoint("llama-gqa")
-    llm = LLM(model=str(folder), block_size=4, num_kv_blocks=12, max_num_seqs=4)
-    prompts = [list(range(30 + i, 38 + 2 * i)) for i in range(4)]
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     inputs = "tiny llama-gqa, 4 prompts of 8-14 tokens, 16 new tokens each, 12 blocks of 4 (preemptions)"
-    assert llm.llm_engine.scheduler.num_preemptions > 0, f"{inputs}: the test expected preemptions"
-    for prompt, output in zip(prompts, outputs, strict=True):
-        expect_equal(output.outputs[0].token_ids, hf_greedy(folder, tuple(prompt), 16), inputs=f"{inputs}; prompt {prompt}")
-    expect_equal(llm.llm_engine.kv_cache_manager.num_used_blocks, 0, inputs=f"{inputs}; blocks in use at the end")
+    for policy, priority in (("fcfs", None), ("priority", [2, 0, 1, 0])):
+        llm = LLM(model=str(folder), block_size=4, num_kv_blocks=12, max_num_seqs=4, scheduling_policy=policy)
+        prompts = [list(range(30 + i, 38 + 2 * i)) for i in range(4)]
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        outputs = llm.generate(prompts, params, priority=priority, use_tqdm=False)
+        where = f"{inputs}, policy {policy}"
+        assert llm.llm_engine.scheduler.num_preemptions > 0, f"{where}: the test expected preemptions"
+        for prompt, output in zip(prompts, outputs, strict=True):
+            expect_equal(output.outputs[0].token_ids, hf_greedy(folder, tuple(prompt), 16), inputs=f"{where}; prompt {prompt}")
+        expect_equal(llm.llm_engine.kv_cache_manager.num_used_blocks, 0, inputs=f"{where}; blocks in use at the end")
 
 
 # --- prepare_inputs ----------------------------------------------------------------------------------------------
@@ -405,6 +566,22 @@ def test_engine_step_records_each_step(impl):
     expect_equal(steps, [(6, 0), (4, 0), (0, 1), (0, 1)], inputs=f"{inputs}; (prefill, decode) tokens of each step")
 
 
+@pytest.mark.exercise("engine_step")
+def test_engine_step_draws_nothing_for_a_prompt_chunk(impl):
+    folder = tiny_checkpoint("llama-gqa")
+    prompt = list(range(70, 83))
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True)
+    alone = LLM(model=str(folder), block_size=4).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    engine = LLM(model=str(folder), block_size=4, max_num_batched_tokens=8, long_prefill_token_threshold=4).llm_engine
+    engine.add_request("sampled", prompt, params)
+    engine.add_request("greedy", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    got = drive(impl, engine)
+    inputs = ("tiny llama-gqa, budget 8, long_prefill_token_threshold 4: a 13-token prompt sampled with seed 7 "
+              "(temperature 1, top_p 0.9; prefilled in 4 chunks) beside a greedy request")
+    expect_equal(got.get("sampled"), [alone], inputs=f"{inputs}; the seeded request's tokens (the reference engine, "
+                 "same request alone and unchunked) — a chunk must not use up the request's random numbers")
+
+
 # --- apply_top_p, apply_min_p ------------------------------------------------------------------------------------
 
 
@@ -466,6 +643,14 @@ def test_top_p_one_keeps_everything(impl):
     expect_filtered(got, logits, [[True] * 12] * 2, "random logits (2, 12), top_p 1.0")
 
 
+@pytest.mark.exercise("apply_top_p")
+def test_top_p_tiny_keeps_exactly_the_most_likely_token(impl):
+    logits = random_rows(3, rows=4, vocab=50)
+    got = impl.apply_top_p(logits.clone(), torch.full((4,), 1e-8))
+    kept = (torch.arange(50)[None, :] == logits.argmax(-1, keepdim=True)).tolist()  # (B, V) only the argmax
+    expect_filtered(got, logits, kept, "random logits (4, 50) seed 3, top_p 1e-8 (the nucleus is never empty)")
+
+
 @pytest.mark.exercise("apply_min_p")
 def test_min_p_drops_tokens_below_the_scaled_maximum(impl):
     logits = torch.log(torch.tensor([[0.05, 0.5, 0.15, 0.3]] * 3))
@@ -484,3 +669,82 @@ def test_min_p_matches_a_sorting_oracle_per_row(impl, seed):
     kept = [[r >= m for r in (probs[b] / probs[b].max()).tolist()] for b, m in enumerate(min_p)]
     got = impl.apply_min_p(logits.clone(), torch.tensor(min_p))
     expect_filtered(got, logits, kept, f"random logits (5, 12) seed {seed}, min_p {[round(x, 3) for x in min_p]}")
+
+
+# --- capstone: all of it together, on SmolLM2 ---------------------------------------------------------------------
+
+# Two waves: two less important requests (priority 2) start first; three more important ones (priority 0) arrive
+# two steps later. 14 blocks of 8 slots cannot hold them all: preemptions (the first victims are the priority-2
+# requests, already in the step's batch; the sampled request is preempted too), prompts chunked by a 32-token
+# budget and a 16-token threshold, resumed requests finding their blocks in the prefix cache, and the chat prompts
+# sharing their system prompt's blocks.
+CAPSTONE_ENGINE = dict(block_size=8, num_kv_blocks=14, max_num_seqs=8, max_num_batched_tokens=32,
+                       long_prefill_token_threshold=16, max_model_len=256, enable_prefix_caching=True,
+                       scheduling_policy=SchedulingPolicy.PRIORITY)
+CAPSTONE_WAVES = [[(0, 2), (7, 2)], [(2, 0), (4, 0), (3, 0)]]  # (index into CAPSTONE_PROMPTS, priority)
+CAPSTONE_SAMPLED = 3  # this prompt is sampled; the others are greedy
+CAPSTONE_TOKENS = 12
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.8, min_p=0.1, seed=5, max_tokens=CAPSTONE_TOKENS, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=CAPSTONE_TOKENS, ignore_eos=True)
+
+
+def capstone_engine(**overrides) -> llm_engine.LLMEngine:
+    """An engine on SmolLM2 (loaded once per process). Built inside `swap_in`, it runs your Scheduler and the rest."""
+    model, tokenizer = smollm2()
+    return llm_engine.LLMEngine(model, tokenizer, **(CAPSTONE_ENGINE | overrides))
+
+
+def record_schedules(engine) -> list[tuple[list[tuple[int, int, int, int]], list[int]]]:
+    """Have `engine`'s scheduler record each step: (seq_id, tokens, computed before, total) per scheduled
+    sequence, and the resumed ids."""
+    steps, schedule = [], engine.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        scheduled = zip(out.scheduled_seqs, out.num_scheduled_tokens, strict=True)
+        steps.append(([(s.seq_id, n, s.num_computed_tokens, s.num_tokens) for s, n in scheduled], list(out.resumed_seq_ids)))
+        return out
+
+    engine.scheduler.schedule = recording
+    return steps
+
+
+@pytest.mark.exercise("capstone")
+@pytest.mark.timeout(180)  # a real model: a few seconds on an idle machine
+def test_capstone_a_preemption_storm_on_smollm2_gives_hugging_faces_tokens(impl):
+    # The sampled request's oracle: the reference engine, the request alone, before any of your code is swapped in.
+    reference = capstone_engine(num_kv_blocks=12, max_num_batched_tokens=64, long_prefill_token_threshold=64)
+    reference.add_request("alone", CAPSTONE_PROMPTS[CAPSTONE_SAMPLED], SAMPLED)
+    alone: list[int] = []
+    while reference.has_unfinished_requests():
+        for output in reference.step():  # the reference engine_step: nothing is swapped in yet
+            alone += output.outputs[0].token_ids
+    engine_args = CAPSTONE_ENGINE | dict(scheduling_policy="priority")
+    inputs = (f"SmolLM2-135M, {engine_args}; prompts {[i for wave in CAPSTONE_WAVES for i, _ in wave]} of "
+              f"CAPSTONE_PROMPTS in two waves, {CAPSTONE_TOKENS} new tokens each; prompt {CAPSTONE_SAMPLED} sampled "
+              f"(temperature 0.8, top_p 0.8, min_p 0.1, seed 5)")
+    with swap_in(impl, REFERENCE) as mine:  # your Scheduler, allocate_or_preempt, prepare_inputs, filters, engine_step
+        engine = capstone_engine()
+        steps = record_schedules(engine)
+        tokens: dict[int, list[int]] = {}
+        for wave in CAPSTONE_WAVES:
+            for i, priority in wave:
+                engine.add_request(f"p{i}", CAPSTONE_PROMPTS[i], SAMPLED if i == CAPSTONE_SAMPLED else GREEDY, priority)
+            for _ in range(2 if wave is CAPSTONE_WAVES[0] else 400):
+                if not engine.has_unfinished_requests():
+                    break
+                for output in mine.engine_step(engine):
+                    tokens.setdefault(int(output.request_id[1:]), []).extend(output.outputs[0].token_ids)
+        preemptions = engine.scheduler.num_preemptions
+        used = engine.kv_cache_manager.num_used_blocks
+    chunks = [entry for batch_, _ in steps for entry in batch_ if entry[2] + entry[1] < entry[3]]
+    resumed = [seq_id for _, ids in steps for seq_id in ids]
+    assert preemptions > 0, f"{inputs}: the capstone expects preemptions; your scheduler made none"
+    assert chunks, f"{inputs}: the capstone expects chunked prefill (a prompt over several steps); none happened"
+    assert resumed, f"{inputs}: the capstone expects preempted requests to resume; none did"
+    for wave in CAPSTONE_WAVES:
+        for i, _ in wave:
+            want = alone if i == CAPSTONE_SAMPLED else smollm2_greedy(i, CAPSTONE_TOKENS)
+            oracle = "the reference engine alone, same seed" if i == CAPSTONE_SAMPLED else "Hugging Face greedy"
+            expect_equal(tokens.get(i), want, inputs=f"{inputs}; prompt {i} (oracle: {oracle})")
+    expect_equal(used, 0, inputs=f"{inputs}; blocks in use at the end")

@@ -8,10 +8,12 @@ import torch
 from solutions.attention.paged import AttentionMetadata
 from solutions.core.block_manager import slot_mapping
 from solutions.core.sched.output import SchedulerOutput
+from solutions.core.sched.request_queue import SchedulingPolicy
 from solutions.core.sched.scheduler import Scheduler, SchedulerBase
 from solutions.core.sequence import Sequence, SequenceStatus
 from solutions.engine.llm_engine import LLMEngine
 from solutions.outputs import RequestOutput
+from solutions.sample.sampler import SamplerOutput
 
 # --- Scheduler.schedule -------------------------------------------------------------------------------------------
 
@@ -36,18 +38,31 @@ class _Template(Scheduler):
             index = self.running.index(seq) + 1
         return budget
 
+    def _lookup(self, seq):
+        """(computed blocks, cached tokens) for a sequence about to be admitted."""
+        return self.kv_cache_manager.get_computed_blocks(seq)
+
+    def _num_new_admitted(self, seq, num_cached, budget):
+        return self._num_new(seq.num_tokens - num_cached, budget)
+
+    def _allocate_admitted(self, seq, num_new_tokens, computed_blocks, num_cached):
+        return self.kv_cache_manager.allocate_slots(seq, num_new_tokens, computed_blocks)
+
+    def _start_running(self, out, seq, num_cached):
+        (out.resumed_seq_ids if seq.status is SequenceStatus.PREEMPTED else out.new_seq_ids).append(seq.seq_id)
+        seq.status = SequenceStatus.RUNNING
+        seq.num_computed_tokens = num_cached
+
     def _admit(self, out, copies, budget):
         while not out.preempted_seq_ids and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.peek()
-            computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(seq)
-            num_new_tokens = self._num_new(seq.num_tokens - num_cached, budget)
-            seq_copies = self.kv_cache_manager.allocate_slots(seq, num_new_tokens, computed_blocks)
+            computed_blocks, num_cached = self._lookup(seq)
+            num_new_tokens = self._num_new_admitted(seq, num_cached, budget)
+            seq_copies = self._allocate_admitted(seq, num_new_tokens, computed_blocks, num_cached)
             if seq_copies is None:
                 break
             self.waiting.pop()
-            (out.resumed_seq_ids if seq.status is SequenceStatus.PREEMPTED else out.new_seq_ids).append(seq.seq_id)
-            seq.status = SequenceStatus.RUNNING
-            seq.num_computed_tokens = num_cached
+            self._start_running(out, seq, num_cached)
             out.num_cached_tokens[seq.seq_id] = num_cached
             self.running.append(seq)
             self._add_to_batch(out, seq, num_new_tokens, seq_copies, copies)
@@ -145,52 +160,149 @@ class AdmitsAfterPreempting(_Template):
             out.preempted_seq_ids = preempted + out.preempted_seq_ids
 
 
-# --- preempt ------------------------------------------------------------------------------------------------------
+class IgnoresCachedTokens(_Template):
+    """Sizes an admitted sequence's chunk from its whole length, as if the prefix cache had found nothing."""
+
+    def _num_new_admitted(self, seq, num_cached, budget):
+        return self._num_new(seq.num_tokens, budget)
 
 
-def preempt_leaks_blocks(scheduler: SchedulerBase, seq: Sequence, out: SchedulerOutput) -> None:
-    """Forgets the block table without giving its blocks back to the pool."""
-    scheduler.running.remove(seq)
-    seq.block_table.clear()
-    seq.num_computed_tokens = 0
-    seq.status = SequenceStatus.PREEMPTED
-    scheduler.waiting.prepend(seq)
-    out.preempted_seq_ids.append(seq.seq_id)
-    scheduler.num_preemptions += 1
+class ComputedBeforeAllocating(_Template):
+    """Marks the cached tokens computed before `allocate_slots`, which then counts the prefix hits twice."""
+
+    def _allocate_admitted(self, seq, num_new_tokens, computed_blocks, num_cached):
+        before = seq.num_computed_tokens
+        seq.num_computed_tokens = num_cached
+        seq_copies = super()._allocate_admitted(seq, num_new_tokens, computed_blocks, num_cached)
+        if seq_copies is None:
+            seq.num_computed_tokens = before
+        return seq_copies
 
 
-def preempt_to_the_back(scheduler: SchedulerBase, seq: Sequence, out: SchedulerOutput) -> None:
-    """Sends the victim to the back of the queue, behind requests that arrived after it."""
-    scheduler.running.remove(seq)
-    scheduler.kv_cache_manager.free(seq)
-    seq.num_computed_tokens = 0
-    seq.status = SequenceStatus.PREEMPTED
-    scheduler.waiting.add(seq)
-    out.preempted_seq_ids.append(seq.seq_id)
-    scheduler.num_preemptions += 1
+class CountsResumedAsNew(_Template):
+    """Reports every admission in `new_seq_ids`, a sequence coming back from a preemption too."""
+
+    def _start_running(self, out, seq, num_cached):
+        out.new_seq_ids.append(seq.seq_id)
+        seq.status = SequenceStatus.RUNNING
+        seq.num_computed_tokens = num_cached
 
 
-def preempt_keeps_computed_tokens(scheduler: SchedulerBase, seq: Sequence, out: SchedulerOutput) -> None:
-    """Frees the blocks but keeps `num_computed_tokens`: the K/V it claims are gone."""
-    scheduler.running.remove(seq)
-    scheduler.kv_cache_manager.free(seq)
-    seq.status = SequenceStatus.PREEMPTED
-    scheduler.waiting.prepend(seq)
-    out.preempted_seq_ids.append(seq.seq_id)
-    scheduler.num_preemptions += 1
+class LeavesResumedPreempted(_Template):
+    """Sets RUNNING only on a new sequence: a resumed one runs with its status still PREEMPTED."""
+
+    def _start_running(self, out, seq, num_cached):
+        if seq.status is SequenceStatus.WAITING:
+            out.new_seq_ids.append(seq.seq_id)
+            seq.status = SequenceStatus.RUNNING
+        else:
+            out.resumed_seq_ids.append(seq.seq_id)
+        seq.num_computed_tokens = num_cached
+
+
+class ResumesFromZero(_Template):
+    """Restarts a resumed sequence at position 0: only new prompts look up the prefix cache."""
+
+    def _lookup(self, seq):
+        return ([], 0) if seq.status is SequenceStatus.PREEMPTED else super()._lookup(seq)
+
+
+# --- allocate_or_preempt -----------------------------------------------------------------------------------------
+
+
+def _victim(scheduler: SchedulerBase, *, priority_key=None, fcfs_index: int = -1) -> Sequence:
+    if scheduler.policy is SchedulingPolicy.PRIORITY:
+        return max(scheduler.running, key=priority_key or (lambda s: (s.priority, s.arrival, s.seq_id)))
+    return scheduler.running[fcfs_index]
+
+
+def _allocate_or_preempt(scheduler, seq, num_new_tokens, out, copies, *, choose=_victim, give_back=True,
+                         take_out=True, retry=True, stop_at_self=True):
+    returned = 0
+    while (seq_copies := scheduler.kv_cache_manager.allocate_slots(seq, num_new_tokens)) is None:
+        victim = choose(scheduler)
+        if take_out and victim in out.scheduled_seqs:
+            tokens = scheduler._remove_from_batch(out, victim, copies)
+            returned += tokens if give_back else 0
+        scheduler._preempt_request(victim, out)
+        if stop_at_self and victim is seq:
+            return None, returned
+        if not retry:
+            return scheduler.kv_cache_manager.allocate_slots(seq, num_new_tokens), returned
+    return seq_copies, returned
+
+
+def allocate_or_preempt_picks_the_first(
+    scheduler: SchedulerBase, seq: Sequence, num_new_tokens: int, out: SchedulerOutput,
+    copies: dict[int, list[tuple[int, int]]],
+) -> tuple[list[tuple[int, int]] | None, int]:
+    """FCFS: preempts the first to start running (the oldest) instead of the last."""
+    return _allocate_or_preempt(scheduler, seq, num_new_tokens, out, copies, choose=lambda s: _victim(s, fcfs_index=0))
+
+
+def allocate_or_preempt_priority_picks_the_smallest(
+    scheduler: SchedulerBase, seq: Sequence, num_new_tokens: int, out: SchedulerOutput,
+    copies: dict[int, list[tuple[int, int]]],
+) -> tuple[list[tuple[int, int]] | None, int]:
+    """PRIORITY: preempts the smallest `priority` value, which is the most important request."""
+    key = lambda s: (-s.priority, s.arrival, s.seq_id)  # noqa: E731
+    return _allocate_or_preempt(scheduler, seq, num_new_tokens, out, copies, choose=lambda s: _victim(s, priority_key=key))
+
+
+def allocate_or_preempt_priority_ties_to_the_oldest(
+    scheduler: SchedulerBase, seq: Sequence, num_new_tokens: int, out: SchedulerOutput,
+    copies: dict[int, list[tuple[int, int]]],
+) -> tuple[list[tuple[int, int]] | None, int]:
+    """PRIORITY: among equal priorities, preempts the earliest arrival instead of the latest."""
+    key = lambda s: (s.priority, -s.arrival, -s.seq_id)  # noqa: E731
+    return _allocate_or_preempt(scheduler, seq, num_new_tokens, out, copies, choose=lambda s: _victim(s, priority_key=key))
+
+
+def allocate_or_preempt_forgets_the_budget(
+    scheduler: SchedulerBase, seq: Sequence, num_new_tokens: int, out: SchedulerOutput,
+    copies: dict[int, list[tuple[int, int]]],
+) -> tuple[list[tuple[int, int]] | None, int]:
+    """Takes a scheduled victim out of the batch but never hands its tokens back to the budget."""
+    return _allocate_or_preempt(scheduler, seq, num_new_tokens, out, copies, give_back=False)
+
+
+def allocate_or_preempt_keeps_the_victim_scheduled(
+    scheduler: SchedulerBase, seq: Sequence, num_new_tokens: int, out: SchedulerOutput,
+    copies: dict[int, list[tuple[int, int]]],
+) -> tuple[list[tuple[int, int]] | None, int]:
+    """Preempts a victim that is already in this step's batch without taking it out of the batch."""
+    return _allocate_or_preempt(scheduler, seq, num_new_tokens, out, copies, take_out=False)
+
+
+def allocate_or_preempt_only_once(
+    scheduler: SchedulerBase, seq: Sequence, num_new_tokens: int, out: SchedulerOutput,
+    copies: dict[int, list[tuple[int, int]]],
+) -> tuple[list[tuple[int, int]] | None, int]:
+    """`if` where a `while` belongs: one victim, one more try, whether or not that freed enough blocks."""
+    return _allocate_or_preempt(scheduler, seq, num_new_tokens, out, copies, retry=False)
+
+
+def allocate_or_preempt_runs_past_itself(
+    scheduler: SchedulerBase, seq: Sequence, num_new_tokens: int, out: SchedulerOutput,
+    copies: dict[int, list[tuple[int, int]]],
+) -> tuple[list[tuple[int, int]] | None, int]:
+    """Does not stop when the victim is `seq` itself: it allocates again for a sequence now waiting."""
+    return _allocate_or_preempt(scheduler, seq, num_new_tokens, out, copies, stop_at_self=False)
 
 
 # --- prepare_inputs -----------------------------------------------------------------------------------------------
 
 
-def _prepare(scheduler_output: SchedulerOutput, block_size: int, *, position_start, seq_len):
+def _prepare(scheduler_output: SchedulerOutput, block_size: int, *, position_start, seq_len, slot_start=None,
+             query_end=None):
     input_ids, positions, slots, query_start_loc, seq_lens = [], [], [], [0], []
     for seq, num_new in zip(scheduler_output.scheduled_seqs, scheduler_output.num_scheduled_tokens, strict=True):
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
         input_ids += seq.token_ids[start:end]
         positions += range(position_start(start), position_start(start) + num_new)
-        slots += slot_mapping(seq.block_table, start, end, block_size)
-        query_start_loc.append(query_start_loc[-1] + num_new)
+        first_slot = start if slot_start is None else slot_start(start)
+        slots += slot_mapping(seq.block_table, first_slot, first_slot + num_new, block_size)
+        query_start_loc.append(query_start_loc[-1] + num_new if query_end is None else query_end(query_start_loc[-1], num_new))
         seq_lens.append(seq_len(end, num_new))
     metadata = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long),
@@ -213,6 +325,22 @@ def prepare_inputs_seq_lens_are_query_lens(
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Gives each sequence the length of its new tokens as its context: the cached context is never read."""
     return _prepare(scheduler_output, block_size, position_start=lambda start: start, seq_len=lambda end, n: n)
+
+
+def prepare_inputs_chunk_slots_from_zero(
+    scheduler_output: SchedulerOutput, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Maps a chunk's tokens to the slots of positions 0.. of its block table: every chunk overwrites the first."""
+    return _prepare(scheduler_output, block_size, position_start=lambda start: start, seq_len=lambda end, n: end,
+                    slot_start=lambda start: 0)
+
+
+def prepare_inputs_query_start_loc_inclusive(
+    scheduler_output: SchedulerOutput, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Off by one in `query_start_loc`: stores each sequence's last row (inclusive) instead of where the next starts."""
+    return _prepare(scheduler_output, block_size, position_start=lambda start: start, seq_len=lambda end, n: end,
+                    query_end=lambda previous, n: previous + n - (1 if previous == 0 else 0))
 
 
 def prepare_inputs_last_token_only(
@@ -259,6 +387,20 @@ def engine_step_samples_prompt_chunks(engine: LLMEngine) -> list[RequestOutput]:
     return engine.update_from_output(scheduler_output, seqs, engine.sample(logits[rows], seqs))
 
 
+def engine_step_samples_then_drops_chunks(engine: LLMEngine) -> list[RequestOutput]:
+    """Samples every scheduled row first, then keeps the sequences whose prompt is complete: a prompt chunk's
+    draw still advances its request's random generator, so a seeded request's tokens depend on the chunking."""
+    scheduler_output = engine.schedule()
+    logits = engine.execute_model(scheduler_output)
+    scheduled = scheduler_output.scheduled_seqs
+    everyone = engine.sample(logits, scheduled)
+    rows = [b for b, seq in enumerate(scheduled) if seq.num_computed_tokens == seq.num_tokens]
+    seqs = [scheduled[b] for b in rows]
+    kept = SamplerOutput(*([field[b] for b in rows] for field in (everyone.sampled_token_ids, everyone.logprobs,
+                                                                   everyone.sampled_logprobs)))
+    return engine.update_from_output(scheduler_output, seqs, kept)
+
+
 def engine_step_never_forks(engine: LLMEngine) -> list[RequestOutput]:
     """Ignores `n`: one sample per request, so an `n > 1` request never completes."""
     scheduler_output = engine.schedule()
@@ -295,6 +437,14 @@ def apply_top_p_first_rows_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch
     return apply_top_p(logits, top_p[:1].expand(logits.shape[0]))
 
 
+def apply_top_p_ascending_keeps_none(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """vLLM's ascending form (drop a token while the mass up to it is <= 1 - p) without its "keep at least one"
+    line: with a tiny p, 1 - p rounds to 1.0 in float32 and a row whose mass sums to just under 1 loses every token."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=False)  # (B, V) least likely first
+    drop = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1) <= 1 - top_p[:, None]
+    return logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+
+
 def apply_min_p_absolute(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Compares each probability with min_p itself, not with min_p times the most likely token's."""
     probs = torch.softmax(logits, dim=-1)
@@ -306,6 +456,12 @@ def apply_min_p_on_logits(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Te
     return logits.masked_fill(logits < min_p[:, None] * logits.max(dim=-1, keepdim=True).values, float("-inf"))
 
 
+def apply_min_p_max_over_the_batch(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Takes the maximum over the wrong dimension: per vocabulary entry across the batch, not per row."""
+    probs = torch.softmax(logits, dim=-1)
+    return logits.masked_fill(probs < min_p[:, None] * probs.max(dim=0, keepdim=True).values, float("-inf"))
+
+
 MUTANTS = {
     "schedule_ignores_the_budget": {"Scheduler": IgnoresTheBudget},
     "schedule_starves_running": {"Scheduler": StarvesRunning},
@@ -313,18 +469,43 @@ MUTANTS = {
     "schedule_ignores_max_num_seqs": {"Scheduler": IgnoresMaxNumSeqs},
     "schedule_skips_the_blocked_head": {"Scheduler": SkipsTheBlockedHead},
     "schedule_admits_after_preempting": {"Scheduler": AdmitsAfterPreempting},
-    "preempt_leaks_blocks": {"preempt": preempt_leaks_blocks},
-    "preempt_to_the_back": {"preempt": preempt_to_the_back},
-    "preempt_keeps_computed_tokens": {"preempt": preempt_keeps_computed_tokens},
+    "schedule_ignores_cached_tokens": {"Scheduler": IgnoresCachedTokens},
+    "schedule_computed_before_allocating": {"Scheduler": ComputedBeforeAllocating},
+    "schedule_counts_resumed_as_new": {"Scheduler": CountsResumedAsNew},
+    "schedule_leaves_resumed_preempted": {"Scheduler": LeavesResumedPreempted},
+    "schedule_resumes_from_zero": {"Scheduler": ResumesFromZero},
+    "allocate_or_preempt_picks_the_first": {"allocate_or_preempt": allocate_or_preempt_picks_the_first},
+    "allocate_or_preempt_priority_picks_the_smallest": {"allocate_or_preempt": allocate_or_preempt_priority_picks_the_smallest},
+    "allocate_or_preempt_priority_ties_to_the_oldest": {"allocate_or_preempt": allocate_or_preempt_priority_ties_to_the_oldest},
+    "allocate_or_preempt_forgets_the_budget": {"allocate_or_preempt": allocate_or_preempt_forgets_the_budget},
+    "allocate_or_preempt_keeps_the_victim_scheduled": {"allocate_or_preempt": allocate_or_preempt_keeps_the_victim_scheduled},
+    "allocate_or_preempt_only_once": {"allocate_or_preempt": allocate_or_preempt_only_once},
+    "allocate_or_preempt_runs_past_itself": {"allocate_or_preempt": allocate_or_preempt_runs_past_itself},
     "prepare_inputs_chunk_positions_from_zero": {"prepare_inputs": prepare_inputs_chunk_positions_from_zero},
     "prepare_inputs_seq_lens_are_query_lens": {"prepare_inputs": prepare_inputs_seq_lens_are_query_lens},
     "prepare_inputs_last_token_only": {"prepare_inputs": prepare_inputs_last_token_only},
+    "prepare_inputs_chunk_slots_from_zero": {"prepare_inputs": prepare_inputs_chunk_slots_from_zero},
+    "prepare_inputs_query_start_loc_inclusive": {"prepare_inputs": prepare_inputs_query_start_loc_inclusive},
     "engine_step_samples_the_wrong_rows": {"engine_step": engine_step_samples_the_wrong_rows},
     "engine_step_samples_prompt_chunks": {"engine_step": engine_step_samples_prompt_chunks},
     "engine_step_never_forks": {"engine_step": engine_step_never_forks},
+    "engine_step_samples_then_drops_chunks": {"engine_step": engine_step_samples_then_drops_chunks},
     "apply_top_p_drops_the_crossing_token": {"apply_top_p": apply_top_p_drops_the_crossing_token},
     "apply_top_p_without_sorting": {"apply_top_p": apply_top_p_without_sorting},
     "apply_top_p_first_rows_p": {"apply_top_p": apply_top_p_first_rows_p},
+    "apply_top_p_ascending_keeps_none": {"apply_top_p": apply_top_p_ascending_keeps_none},
     "apply_min_p_absolute": {"apply_min_p": apply_min_p_absolute},
     "apply_min_p_on_logits": {"apply_min_p": apply_min_p_on_logits},
+    "apply_min_p_max_over_the_batch": {"apply_min_p": apply_min_p_max_over_the_batch},
+}
+
+# For every exercise, a mutant that makes the capstone (SmolLM2, preemption storm, chunked prefill, prefix caching,
+# a sampled request) fail: the capstone really runs each exercise.
+CAPSTONE_MUTANTS = {
+    "Scheduler": "schedule_ignores_cached_tokens",
+    "allocate_or_preempt": "allocate_or_preempt_keeps_the_victim_scheduled",
+    "prepare_inputs": "prepare_inputs_chunk_slots_from_zero",
+    "engine_step": "engine_step_samples_prompt_chunks",
+    "apply_top_p": "apply_top_p_drops_the_crossing_token",
+    "apply_min_p": "apply_min_p_absolute",
 }

@@ -7,17 +7,20 @@ all: give each sequence `min(tokens behind, budget left, long_prefill_token_thre
 sequences first (in the order they started), then waiting ones in the queue's order. A long prompt is thus
 prefilled in chunks over several steps while the running sequences keep decoding beside it (chunked prefill).
 
-When the KV cache manager has no block for a running sequence, the scheduler preempts by recompute: it frees
-the victim's blocks, resets it to 0 computed tokens and puts it back at the front of the waiting queue; its
-tokens are kept, so it resumes exactly where it was (prefix caching usually finds most of its blocks still
-there). The victim is the last sequence to start running (FCFS) or the lowest priority, latest arrival
-(PRIORITY). No waiting sequence is admitted in a step that preempted.
+When the KV cache manager has no block for a running sequence, the scheduler preempts by recompute
+(`allocate_or_preempt`): it picks a victim — the last sequence to start running (FCFS), or the lowest priority,
+latest arrival (PRIORITY) — takes it back out of the step's batch if it was already in (returning its tokens to
+the budget), frees its blocks, resets it to 0 computed tokens and puts it back at the front of the waiting
+queue; its tokens are kept, so it resumes exactly where it was (prefix caching usually finds most of its blocks
+still there). It repeats until the allocation succeeds or the victim is the sequence itself. No waiting
+sequence is admitted in a step that preempted.
 
 The module is split so that each idea can be read (and, in chapter 5, written) on its own: `SchedulerBase`
-holds the queues and the bookkeeping, `preempt` is preemption by recompute, and `Scheduler` adds the one
-method that decides a step, `schedule`.
+holds the queues and the bookkeeping (`_preempt_request` among it), `allocate_or_preempt` is the decision to
+preempt, and `Scheduler` adds the one method that decides a step, `schedule`.
 
-Where this lives in vLLM: `vllm/v1/core/sched/scheduler.py` (`Scheduler.schedule`, `_preempt_request`).
+Where this lives in vLLM: `vllm/v1/core/sched/scheduler.py` (`Scheduler.schedule`, whose loop around
+`allocate_slots` is our `allocate_or_preempt`, and `_preempt_request`).
 """
 
 from solutions.core.kv_cache_manager import KVCacheManager
@@ -79,19 +82,9 @@ class SchedulerBase:
     def _allocate_or_preempt(
         self, seq: Sequence, num_new_tokens: int, out: SchedulerOutput, copies: dict[int, list[tuple[int, int]]]
     ) -> tuple[list[tuple[int, int]] | None, int]:
-        """Room for a running `seq`'s next `num_new_tokens`, preempting victims until there is.
-
-        Returns (its copy-on-write copies, or None if `seq` itself had to be preempted; the token budget handed
-        back by victims that were already in this step's batch). A victim may sit before `seq` in `running`.
-        """
-        returned = 0
-        while (seq_copies := self.kv_cache_manager.allocate_slots(seq, num_new_tokens)) is None:
-            victim = self._choose_victim()
-            returned += self._unschedule(victim, out, copies)
-            preempt(self, victim, out)
-            if victim is seq:
-                return None, returned
-        return seq_copies, returned
+        """`allocate_or_preempt(self, ...)`, looked up in this module when called: `schedule()` reaches the
+        preemption decision through this method, so any `schedule()` runs whichever one the module holds."""
+        return allocate_or_preempt(self, seq, num_new_tokens, out, copies)
 
     def _add_to_batch(
         self, out: SchedulerOutput, seq: Sequence, num_new_tokens: int, seq_copies: list[tuple[int, int]],
@@ -106,16 +99,10 @@ class SchedulerBase:
         else:
             out.num_prefill_tokens += num_new_tokens
 
-    def _choose_victim(self) -> Sequence:
-        """The last to start running (FCFS), or the lowest priority, latest arrival (PRIORITY)."""
-        if self.policy is SchedulingPolicy.PRIORITY:
-            return max(self.running, key=lambda s: (s.priority, s.arrival, s.seq_id))
-        return self.running[-1]
-
-    def _unschedule(self, seq: Sequence, out: SchedulerOutput, copies: dict[int, list[tuple[int, int]]]) -> int:
-        """Take `seq` back out of this step's batch if it is already in it; return the budget it had taken."""
+    def _remove_from_batch(self, out: SchedulerOutput, seq: Sequence, copies: dict[int, list[tuple[int, int]]]) -> int:
+        """Undo `_add_to_batch` for `seq`, which must be in this step's batch; return the tokens it had taken."""
         if seq not in out.scheduled_seqs:
-            return 0
+            raise RuntimeError(f"sequence {seq.seq_id} is not in this step's batch")
         position = out.scheduled_seqs.index(seq)
         num_tokens = out.num_scheduled_tokens.pop(position)
         out.scheduled_seqs.pop(position)
@@ -126,26 +113,51 @@ class SchedulerBase:
             out.num_prefill_tokens -= num_tokens
         return num_tokens
 
+    def _preempt_request(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Preemption by recompute, the bookkeeping: free every block, forget the computed tokens, wait at the
+        front of the queue (vLLM: `Scheduler._preempt_request`). `seq` must be running and out of the batch.
+
+        The tokens themselves are kept, so the sequence later resumes where it was, recomputing its K/V (prefix
+        caching usually finds most of its blocks still cached). Free before resetting `num_computed_tokens`: the
+        KV cache manager reads it to tell computed blocks from blocks whose K/V were never written.
+        """
+        if seq in out.scheduled_seqs:
+            raise RuntimeError(f"sequence {seq.seq_id} is preempted but still in this step's batch")
+        self.running.remove(seq)
+        self.kv_cache_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        self.waiting.prepend(seq)
+        out.preempted_seq_ids.append(seq.seq_id)
+        self.num_preemptions += 1
+
 
 def _is_decode(seq: Sequence, num_new_tokens: int) -> bool:
     """One new token that is the sequence's newest, sampled one (not the last token of a prompt or recompute)."""
     return num_new_tokens == 1 and seq.num_computed_tokens + 1 == seq.num_tokens and seq.num_output_tokens > 0
 
 
-def preempt(scheduler: SchedulerBase, seq: Sequence, out: SchedulerOutput) -> None:
-    """Preemption by recompute: free every block, forget the computed tokens, wait at the front of the queue.
+def allocate_or_preempt(
+    scheduler: SchedulerBase, seq: Sequence, num_new_tokens: int, out: SchedulerOutput,
+    copies: dict[int, list[tuple[int, int]]],
+) -> tuple[list[tuple[int, int]] | None, int]:
+    """Room for running `seq`'s next `num_new_tokens` tokens, preempting victims until there is.
 
-    The tokens themselves are kept, so the sequence later resumes where it was, recomputing its K/V (prefix
-    caching usually finds most of its blocks still cached). Free before resetting `num_computed_tokens`: the
-    KV cache manager reads it to tell computed blocks from blocks whose K/V were never written.
+    Returns (`seq`'s copy-on-write copies, or None if `seq` itself had to be preempted; the token budget handed
+    back by victims that were already in this step's batch). A victim may sit before `seq` in `running`.
     """
-    scheduler.running.remove(seq)
-    scheduler.kv_cache_manager.free(seq)
-    seq.num_computed_tokens = 0
-    seq.status = SequenceStatus.PREEMPTED
-    scheduler.waiting.prepend(seq)
-    out.preempted_seq_ids.append(seq.seq_id)
-    scheduler.num_preemptions += 1
+    returned = 0
+    while (seq_copies := scheduler.kv_cache_manager.allocate_slots(seq, num_new_tokens)) is None:
+        if scheduler.policy is SchedulingPolicy.PRIORITY:  # the lowest priority (largest value), latest arrival
+            victim = max(scheduler.running, key=lambda s: (s.priority, s.arrival, s.seq_id))
+        else:  # the last to start running
+            victim = scheduler.running[-1]
+        if victim in out.scheduled_seqs:  # already given tokens this step: take them back
+            returned += scheduler._remove_from_batch(out, victim, copies)
+        scheduler._preempt_request(victim, out)
+        if victim is seq:
+            return None, returned
+    return seq_copies, returned
 
 
 class Scheduler(SchedulerBase):
