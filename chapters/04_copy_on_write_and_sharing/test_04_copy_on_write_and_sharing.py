@@ -4,18 +4,26 @@ Each test grades one exercise (`@pytest.mark.exercise`). The oracles are indepen
 count of the block tables holding each block for `ref_cnt`, a plain list for the free queue, the token ids
 themselves for what a prefix hit may return, element-wise tensor copies for `copy_blocks`, and a brute-force
 sort of every (beam, token) candidate for the beam-search step.
+
+The capstone runs every exercise together inside the engine on SmolLM2 and compares with Hugging Face's stored
+greedy tokens and beams.
 """
 
+import hashlib
 import itertools
+from array import array
 
 import pytest
 import torch
 
-from grading import exercising, expect_equal
+from grading import exercising, expect_equal, expect_raises
+from grading.capstone import CAPSTONE_PROMPTS, HF_BEAM_TOKENS, HF_BEAM_WIDTH, smollm2, smollm2_beams, smollm2_greedy, swap_in
+from solutions import LLM, BeamSearchParams, SamplingParams
 from solutions import beam_search
 from solutions.attention import paged
 from solutions.attention.paged import KVCache
 from solutions.core import block_hash, block_pool, kv_cache_manager
+from solutions.core.block_hash import NONE_HASH
 from solutions.core.block_pool import KVCacheBlock
 from solutions.core.sequence import Sequence
 
@@ -102,6 +110,31 @@ def test_eviction_follows_the_order_blocks_were_freed(impl):
     expect_equal(still, [False, True, False], inputs=f"{inputs}; which hashes are still cached")
 
 
+@pytest.mark.exercise("BlockPool")
+def test_free_blocks_catches_a_double_free_before_changing_anything(impl):
+    inputs = "BlockPool(4), get_new_blocks(2) (blocks 0, 1), free_blocks([0]), then free_blocks([1, 0]) and ([1, 1])"
+    with exercising("BlockPool", inputs):
+        pool = impl.BlockPool(4)
+        a, b = pool.get_new_blocks(2)
+        pool.free_blocks([a])
+        expect_raises(RuntimeError, lambda: pool.free_blocks([b, a]), inputs=f"{inputs}; free_blocks([1, 0]): block 0 is free already")
+        expect_equal((queue_ids(pool), b.ref_cnt, a.ref_cnt), ([2, 3, 0], 1, 0),
+                     inputs=f"{inputs}; after the refused free_blocks([1, 0]): queue, ref_cnt of 1 and 0 (nothing changed)")
+        expect_raises(RuntimeError, lambda: pool.free_blocks([b, b]), inputs=f"{inputs}; free_blocks([1, 1]): block 1 has one holder")
+    expect_equal((queue_ids(pool), b.ref_cnt), ([2, 3, 0], 1), inputs=f"{inputs}; after the refused free_blocks([1, 1])")
+
+
+@pytest.mark.exercise("BlockPool")
+def test_get_new_blocks_beyond_the_free_count_raises_and_changes_nothing(impl):
+    inputs = "BlockPool(3), get_new_blocks(2), then get_new_blocks(2) with one block free"
+    with exercising("BlockPool", inputs):
+        pool = impl.BlockPool(3)
+        pool.get_new_blocks(2)
+        expect_raises(ValueError, lambda: pool.get_new_blocks(2), inputs=f"{inputs}: asking for more than are free")
+        expect_equal((pool.num_free_blocks, queue_ids(pool), pool.blocks[2].ref_cnt), (1, [2], 0),
+                     inputs=f"{inputs}; afterwards: free blocks, the queue, ref_cnt of block 2")
+
+
 # --- hash_block_tokens --------------------------------------------------------------------------------------------
 
 
@@ -110,6 +143,18 @@ def test_hash_is_deterministic_bytes(impl):
     first = impl.hash_block_tokens(None, [1, 2, 3, 4])
     expect_equal(isinstance(first, bytes), True, inputs="hash_block_tokens(None, [1, 2, 3, 4]) is bytes")
     expect_equal(impl.hash_block_tokens(None, [1, 2, 3, 4]), first, inputs="the same call twice")
+
+
+@pytest.mark.exercise("hash_block_tokens")
+def test_hash_is_sha256_of_the_parent_and_the_int64_token_ids(impl):
+    """The documented bytes, so that every process and every machine finds the same hash for the same prefix."""
+    first = hashlib.sha256(NONE_HASH + array("q", [1, 2, 3, 4]).tobytes()).digest()
+    second = hashlib.sha256(first + array("q", [49151, 300, 0, 7]).tobytes()).digest()
+    inputs = "hash_block_tokens(None, [1, 2, 3, 4]), then its child block [49151, 300, 0, 7] (ids from a real vocabulary)"
+    with exercising("hash_block_tokens", inputs):
+        got = (impl.hash_block_tokens(None, [1, 2, 3, 4]), impl.hash_block_tokens(first, [49151, 300, 0, 7]))
+    expect_equal(got, (first, second), inputs=f"{inputs}: SHA-256 of (the parent's hash, NONE_HASH for the first "
+                 "block) followed by each token id as 8 bytes, array('q')")
 
 
 @pytest.mark.exercise("hash_block_tokens")
@@ -161,6 +206,19 @@ def test_fork_shares_the_parents_blocks_and_counts_references(impl):
     expect_equal([b.ref_cnt for b in manager.block_pool.blocks], holders(manager, [parent, child]),
                  inputs=f"{inputs}; every block's ref_cnt (must equal the number of block tables holding it)")
     expect_equal(manager.num_free_blocks, 6, inputs=f"{inputs}; num_free_blocks")
+
+
+@pytest.mark.exercise("KVCacheManager")
+def test_fork_into_a_child_that_holds_blocks_raises(impl):
+    inputs = "KVCacheManager(8, 4), a 6-token parent, a 3-token sequence holding its own block, fork(parent, it)"
+    with exercising("KVCacheManager", inputs):
+        manager = impl.KVCacheManager(8, 4)
+        parent = admitted(manager, 0, 6)
+        other = admitted(manager, 1, 3)
+        table = list(other.block_table)
+        expect_raises(ValueError, lambda: manager.fork(parent, other), inputs=inputs)
+    expect_equal(other.block_table, table, inputs=f"{inputs}; its block table afterwards (unchanged)")
+    expect_equal([b.ref_cnt for b in manager.block_pool.blocks], holders(manager, [parent, other]), inputs=f"{inputs}; ref_cnts")
 
 
 @pytest.mark.exercise("KVCacheManager")
@@ -277,6 +335,42 @@ def test_get_computed_blocks_stops_at_the_first_miss(impl):
 
 
 @pytest.mark.exercise("KVCacheManager")
+def test_get_computed_blocks_finds_nothing_after_an_evicted_first_block(impl):
+    inputs = ("KVCacheManager(5, 4): A = tokens 100..107 and B = tokens 100..111 computed side by side (B's first two "
+              "blocks are copies, only its third is cached); A freed; C takes A's two blocks (evicted); "
+              "then get_computed_blocks of B's 12 tokens + 1")
+    with exercising("KVCacheManager", inputs):
+        manager = impl.KVCacheManager(5, 4)
+        a = admitted(manager, 0, 8)
+        b = admitted(manager, 1, 12)
+        manager.free(a)
+        manager.allocate_slots(Sequence(2, [7] * 8), 8)  # the only free blocks are A's: both evicted
+        hits, num_tokens = manager.get_computed_blocks(Sequence(3, list(b.token_ids) + [1]))
+    expect_equal(([blk.block_id for blk in hits], num_tokens), ([], 0),
+                 inputs=f"{inputs}; (hit block ids, cached tokens): a run of hits ends at the first miss, even if a "
+                 "later block is still cached")
+
+
+@pytest.mark.exercise("KVCacheManager")
+def test_a_block_filled_by_decoding_is_found_by_a_later_prompt(impl):
+    inputs = ("KVCacheManager(16, 4): a 10-token prompt looked up then allocated (as the engine does), decoded to 12 "
+              "tokens; then get_computed_blocks of those 12 tokens + 1")
+    with exercising("KVCacheManager", inputs):
+        manager = impl.KVCacheManager(16, 4)
+        seq = Sequence(0, list(range(100, 110)))
+        hits, num_cached = manager.get_computed_blocks(seq)
+        manager.allocate_slots(seq, seq.num_tokens - num_cached, hits)
+        seq.num_computed_tokens = seq.num_tokens
+        for token in (7, 8):
+            seq.append_token(token)
+            manager.allocate_slots(seq, 1)
+            seq.num_computed_tokens += 1
+        hits, num_tokens = manager.get_computed_blocks(Sequence(1, list(seq.token_ids) + [9]))
+    expect_equal(([blk.block_id for blk in hits], num_tokens), (seq.block_table[:3], 12),
+                 inputs=f"{inputs}; (hit block ids, cached tokens): the third block, full since decoding, must hit")
+
+
+@pytest.mark.exercise("KVCacheManager")
 def test_get_computed_blocks_counts_the_query_and_touches_nothing(impl):
     inputs = "KVCacheManager(16, 4) caching a 10-token prompt (freed), then get_computed_blocks of the same 10 tokens"
     with exercising("KVCacheManager", inputs):
@@ -286,7 +380,8 @@ def test_get_computed_blocks_counts_the_query_and_touches_nothing(impl):
         hits, num_tokens = manager.get_computed_blocks(Sequence(1, list(donor.token_ids)))
     expect_equal([b.block_id for b in hits], table[:2], inputs=f"{inputs}; hit block ids (free blocks still hold a prefix)")
     stats = manager.prefix_cache_stats
-    expect_equal((stats.queries, stats.hits), (10, 8), inputs=f"{inputs}; prefix_cache_stats (queries, hits) in tokens")
+    expect_equal((stats.num_requests, stats.queries, stats.hits), (1, 10, 8),
+                 inputs=f"{inputs}; prefix_cache_stats (num_requests, queries, hits), queries and hits in tokens")
     expect_equal((manager.num_free_blocks, [b.ref_cnt for b in hits]), (16, [0, 0]), inputs=f"{inputs}; a lookup changes no block")
 
 
@@ -395,3 +490,140 @@ def test_beam_step_sets_aside_eos_among_the_first_beam_width(impl):
                  inputs=f"{inputs}; (finished last tokens, live last tokens)")
     expect_equal(finished[0].seq.block_table, [], inputs=f"{inputs}; a finished beam holds no blocks")
     expect_equal(manager.num_used_blocks, 1, inputs=f"{inputs}; blocks in use (the live beams share one)")
+
+
+@pytest.mark.exercise("beam_search_step")
+def test_beam_step_skips_an_eos_below_the_first_beam_width(impl):
+    manager = kv_cache_manager.KVCacheManager(32, 4)
+    beams = live_beams(manager, [[1, 2, 3], [1, 2, 4]], [0.0, -1.0])
+    logprobs = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.25, 0.15]]))
+    inputs = ("2 beams (cumulative 0 and -1), probabilities [0.5, 0.3, 0.2] and [0.6, 0.25, 0.15], EOS = token 0, "
+              "beam_width 2: ranked (0, EOS), (0, 1), (1, EOS), (0, 2) — the second EOS ranks third")
+    live, finished = impl.beam_search_step(manager, beams, logprobs, 2, 0, itertools.count(10))
+    expect_equal(([b.seq.token_ids for b in finished], [b.seq.token_ids for b in live]),
+                 ([[1, 2, 3, 0]], [[1, 2, 3, 1], [1, 2, 3, 2]]), inputs=f"{inputs}; (finished beams' tokens, live beams' tokens)")
+    expect_equal(manager.num_used_blocks, 1, inputs=f"{inputs}; blocks in use (the live beams share one)")
+
+
+@pytest.mark.exercise("beam_search_step")
+def test_beam_step_keeps_beam_width_beams_when_scores_tie(impl):
+    manager = kv_cache_manager.KVCacheManager(32, 4)
+    beams = live_beams(manager, [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6]], [0.0, 0.0])
+    logprobs = torch.log(torch.tensor([[0.4, 0.4, 0.2], [0.4, 0.4, 0.2]]))
+    inputs = "2 beams (cumulative 0 and 0), both with probabilities [0.4, 0.4, 0.2], beam_width 3: four candidates tie for best"
+    live, finished = impl.beam_search_step(manager, beams, logprobs, 3, None, itertools.count(10))
+    prompts = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6]]
+    got = [(prompts.index(b.seq.token_ids[:-1]), b.seq.token_ids[-1]) for b in live]
+    expect_equal((len(got), len(set(got)), set(got) <= {(0, 0), (0, 1), (1, 0), (1, 1)}), (3, 3, True),
+                 inputs=f"{inputs}; (live beams, distinct (parent, token), all among the tied best)")
+    expect_equal([round(b.cum_logprob, 4) for b in live], [round(float(logprobs[0, 0]), 4)] * 3, inputs=f"{inputs}; their cum_logprob")
+    expect_equal(finished, [], inputs=f"{inputs}; finished beams")
+    expect_equal([b.ref_cnt for b in manager.block_pool.blocks], holders(manager, [b.seq for b in live]),
+                 inputs=f"{inputs}; every block's ref_cnt (the number of live beams holding it; parents freed)")
+
+
+# --- capstone -----------------------------------------------------------------------------------------------------
+
+# SmolLM2 at block_size 4: the chat prompts' common system prompt fills 6 full blocks, which every chat prompt
+# shares. Three crafted prompts continue or change a chat prompt: Q1 swaps two tokens of block 7 of prompt 0 (a hash
+# blind to token order finds prompt 0's block), Q2 is prompt 2's first 7 blocks followed by prompt 0's tail (a hash
+# blind to the parent finds prompt 0's blocks after the wrong prefix), Q3 is the next chat turn after prompt 0's
+# answer (it must find the block that prompt 0's decoding filled). Their oracle is the engine with prefix caching
+# off, which never looks a hash up.
+CAPSTONE_BLOCK_SIZE = 4
+CAPSTONE_NEW_TOKENS = 4
+BEAM_KV_BLOCKS = 20  # Hugging Face's beams of both prompts hold 19 blocks at their peak: a block freed early is reused
+GREEDY_KV_BLOCKS = 32  # at most 22 are held at once: never-used blocks suffice, and LRU evicts none that is cached
+Q1 = CAPSTONE_PROMPTS[0][:28] + CAPSTONE_PROMPTS[0][29:27:-1] + CAPSTONE_PROMPTS[0][30:]
+Q2 = CAPSTONE_PROMPTS[2][:28] + CAPSTONE_PROMPTS[0][28:]
+Q3 = CAPSTONE_PROMPTS[0] + smollm2_greedy(0, CAPSTONE_NEW_TOKENS) + [2, 198]  # + "<|im_end|>\n"
+
+
+def capstone_llm(num_kv_blocks: int, enable_prefix_caching: bool = True) -> LLM:
+    smollm2()  # the model is loaded once per process
+    return LLM(model="smollm2-135m", block_size=CAPSTONE_BLOCK_SIZE, num_kv_blocks=num_kv_blocks, max_model_len=128,
+               max_num_seqs=8, enable_prefix_caching=enable_prefix_caching)
+
+
+def cached_tokens(prompt: list[int], computed: list[list[int]], block_size: int) -> int:
+    """Tokens of `prompt`'s leading full blocks that some computed sequence holds too (never its last token)."""
+    best = 0
+    for tokens in computed:
+        n = 0
+        while n < min(len(prompt), len(tokens)) and prompt[n] == tokens[n]:
+            n += 1
+        best = max(best, n)
+    return min(best, len(prompt) - 1) // block_size * block_size
+
+
+@pytest.mark.exercise("capstone")
+def test_capstone_beam_search_on_smollm2_gives_hugging_faces_beams(impl):
+    """Your beam_search_step forks and frees the beams through your KVCacheManager and BlockPool (prefix hashes
+    by your hash_block_tokens), and your copy_blocks copies the shared partial blocks: the beams must be those
+    of Hugging Face `generate(num_beams=...)`."""
+    prompts = [CAPSTONE_PROMPTS[0], CAPSTONE_PROMPTS[1]]
+    inputs = (f"SmolLM2-135M-Instruct, prompts of {[len(p) for p in prompts]} tokens, beam_width {HF_BEAM_WIDTH}, "
+              f"{HF_BEAM_TOKENS} tokens, EOS ignored, block_size {CAPSTONE_BLOCK_SIZE}, {BEAM_KV_BLOCKS} KV blocks; "
+              "every exercise of the chapter in place of the reference")
+    with swap_in(impl, REFERENCE):
+        llm = capstone_llm(BEAM_KV_BLOCKS)
+        try:
+            outputs = llm.beam_search(prompts, BeamSearchParams(HF_BEAM_WIDTH, HF_BEAM_TOKENS, ignore_eos=True))
+        except ValueError as error:
+            if "cannot hold" not in str(error):
+                raise
+            raise AssertionError(
+                f"on input {inputs}: {error}. Hugging Face's beams never hold more than 19 blocks at once: yours "
+                "share fewer blocks than they should (other beams, or blocks that are never freed)"
+            ) from None
+        manager = llm.llm_engine.kv_cache_manager
+        used, copied = manager.num_used_blocks, manager.num_blocks_copied
+    for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+        expect_equal([seq.tokens[len(prompt):] for seq in output.sequences], smollm2_beams(i),
+                     inputs=f"{inputs}; prompt {i}'s beams, best first (expected: Hugging Face's)")
+    expect_equal((used, copied > 0), (0, True),
+                 inputs=f"{inputs}; (blocks in use afterwards, some shared block copied on write)")
+
+
+@pytest.mark.exercise("capstone")
+def test_capstone_prefix_caching_and_parallel_sampling_give_hugging_faces_tokens(impl):
+    """Greedy generation with prefix caching on: a first call caches prompts 0 and 2; a second call runs Q1, Q2 and
+    Q3, which share a prefix with the first call's sequences, beside prompt 5 with n = 2 (forked after its prefill;
+    its partial block, two of its six tokens, is copied on write); then Q1, Q2 and Q3 again with caching off. The tokens must be
+    Hugging Face's (Q1, Q2, Q3: those of the engine with caching off), and the prefix cache must count one lookup
+    per request and hit exactly the full blocks each prompt shares with an earlier computed sequence (LRU
+    eviction hands out never-used blocks first, so no cached block is lost)."""
+    n, p = CAPSTONE_NEW_TOKENS, CAPSTONE_PROMPTS
+    greedy = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    two = SamplingParams(n=2, temperature=0.0, max_tokens=n, ignore_eos=True)
+    inputs = (f"SmolLM2-135M-Instruct, greedy, {n} tokens, block_size {CAPSTONE_BLOCK_SIZE}, {GREEDY_KV_BLOCKS} KV "
+              "blocks; every exercise of the chapter in place of the reference")
+    with swap_in(impl, REFERENCE):
+        llm = capstone_llm(GREEDY_KV_BLOCKS)
+        manager, stats = llm.llm_engine.kv_cache_manager, llm.llm_engine.kv_cache_manager.prefix_cache_stats
+        first = llm.generate([p[0], p[2]], greedy, use_tqdm=False)
+        hits_first = stats.hits
+        second = llm.generate([Q1, Q2, Q3, p[5]], [greedy, greedy, greedy, two], use_tqdm=False)
+        on = (manager.num_used_blocks, manager.num_blocks_copied, stats.num_requests, hits_first, stats.hits - hits_first)
+        llm_off = capstone_llm(GREEDY_KV_BLOCKS, enable_prefix_caching=False)
+        off = llm_off.generate([Q1, Q2, Q3], greedy, use_tqdm=False)
+        used_off = llm_off.llm_engine.kv_cache_manager.num_used_blocks
+
+    def tokens(output) -> list[list[int]]:
+        return [completion.token_ids for completion in output.outputs]
+
+    expect_equal([tokens(o) for o in first], [[smollm2_greedy(0, n)], [smollm2_greedy(2, n)]],
+                 inputs=f"{inputs}; caching on, first call: prompts 0 and 2 (expected: Hugging Face's tokens)")
+    expect_equal(tokens(second[3]), [smollm2_greedy(5, n)] * 2,
+                 inputs=f"{inputs}; caching on, second call: prompt 5 with n = 2, both samples (expected: Hugging Face's)")
+    expect_equal([tokens(o) for o in off], [tokens(o) for o in second[:3]],
+                 inputs=f"{inputs}; Q1, Q2 and Q3 with caching off (expected: the tokens they got with caching on)")
+    computed = [p[i] + smollm2_greedy(i, n)[:-1] for i in (0, 2)]  # the last token is sampled, never computed
+    want = (6, cached_tokens(p[2], [p[0]], CAPSTONE_BLOCK_SIZE),
+            sum(cached_tokens(q, computed, CAPSTONE_BLOCK_SIZE) for q in (Q1, Q2, Q3, p[5])))
+    expect_equal(on[2:], want, inputs=f"{inputs}; prefix_cache_stats: lookups (one per request), tokens hit in the "
+                 "first call (prompt 2 on prompt 0's blocks, admitted in the same step) and in the second (Q1, Q2, Q3, "
+                 "prompt 5): the full blocks each shares with an earlier computed sequence")
+    expect_equal((on[0], on[1] > 0, used_off), (0, True, 0),
+                 inputs=f"{inputs}; (blocks in use afterwards, some shared block copied on write) with caching on, "
+                 "then blocks in use afterwards with caching off")
