@@ -4,6 +4,7 @@ Each test grades one exercise (`@pytest.mark.exercise`). The oracles are indepen
 a plain Python list for the free block queue, a count of `cdiv(num_tokens, block_size)` per sequence for the
 block manager, `divmod` for the slot mapping, a dense `(seq_len, Hkv, D)` tensor for the cache, PyTorch's fused
 attention over that dense tensor for paged attention, and Hugging Face `generate` for paged generation.
+The capstone runs every exercise together on SmolLM2 and compares with Hugging Face's stored greedy tokens.
 """
 
 import functools
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from grading import exercising, expect_close, expect_equal, expect_raises
+from grading.capstone import CAPSTONE_PROMPTS, smollm2, smollm2_greedy, swap_in
 from grading.tiny_models import hf_model, tiny_checkpoint, tiny_model
 from solutions.attention import paged as paged_attention
 from solutions.baselines import naive, paged_generation
@@ -233,7 +235,7 @@ def test_allocate_refuses_when_blocks_are_short_and_changes_nothing(impl):
 
 
 @pytest.mark.exercise("BlockManager")
-@pytest.mark.parametrize("block_size", [1, 4])
+@pytest.mark.parametrize("block_size", [1, 4, 16])  # 16: one block holds the whole sequence
 def test_append_slot_adds_a_block_exactly_when_a_token_starts_one(impl, block_size):
     inputs = f"BlockManager(num_blocks=8, block_size={block_size}), a 3-token prompt, then decode token by token"
     seq = make_seq(0, 3)
@@ -358,9 +360,10 @@ def test_slot_mapping_example_from_the_chapter(impl):
 
 @pytest.mark.exercise("slot_mapping")
 @pytest.mark.parametrize("block_size", [1, 3, 16])
-def test_slot_mapping_of_a_whole_sequence(impl, block_size):
+@pytest.mark.parametrize("last_block", ["full", "partly filled"])
+def test_slot_mapping_of_a_whole_sequence(impl, block_size, last_block):
     table = [5, 0, 9, 2, 7]
-    num_tokens = len(table) * block_size - (block_size > 1)  # last block not full when it can be
+    num_tokens = len(table) * block_size - (last_block == "partly filled" and block_size > 1)
     want = []
     for position in range(num_tokens):
         logical_block, offset = divmod(position, block_size)
@@ -378,6 +381,14 @@ def test_slot_mapping_of_one_decode_token_and_of_nothing(impl):
 
 
 @pytest.mark.exercise("slot_mapping")
+def test_slot_mapping_of_a_chunk_starting_mid_block(impl):
+    # a prompt chunk (or the tokens after a cached prefix): positions 6..12 of a sequence, block_size 4
+    table = [4, 1, 6, 3]
+    want = [1 * 4 + 2, 1 * 4 + 3, 6 * 4 + 0, 6 * 4 + 1, 6 * 4 + 2, 6 * 4 + 3, 3 * 4 + 0]
+    expect_equal(impl.slot_mapping(table, 6, 13, 4), want, inputs=f"block_table {table}, positions 6..12, block_size 4")
+
+
+@pytest.mark.exercise("slot_mapping")
 def test_slot_mapping_rejects_positions_beyond_the_block_table(impl):
     expect_raises(
         ValueError,
@@ -391,8 +402,8 @@ def test_slot_mapping_rejects_positions_beyond_the_block_table(impl):
 NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 10, 4, 2, 8
 
 
-def empty_cache(fill: float = -7.0) -> torch.Tensor:
-    return torch.full((NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), fill)  # (num_blocks, block_size, Hkv, D)
+def empty_cache(fill: float = -7.0, num_kv_heads: int = NUM_KV_HEADS) -> torch.Tensor:
+    return torch.full((NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM), fill)  # (num_blocks, block_size, Hkv, D)
 
 
 def paged_copy(dense: torch.Tensor, block_table: list[int], cache: torch.Tensor) -> None:
@@ -468,13 +479,16 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return out.transpose(0, 1)  # (Tq, Hq, D)
 
 
-def paged_batch(seq_lens: list[int], num_new: list[int], tables: list[list[int]], num_heads: int, seed: int):
+def paged_batch(
+    seq_lens: list[int], num_new: list[int], tables: list[list[int]], num_heads: int, seed: int,
+    num_kv_heads: int = NUM_KV_HEADS,
+):
     """Dense K/V per sequence, the same K/V in a paged cache, the flat queries and the metadata of the step."""
-    key_cache, value_cache = empty_cache(0.0), empty_cache(0.0)
+    key_cache, value_cache = empty_cache(0.0, num_kv_heads), empty_cache(0.0, num_kv_heads)
     keys, values, queries, slots, starts = [], [], [], [], [0]
     for b, (seq_len, new, table) in enumerate(zip(seq_lens, num_new, tables)):
-        k = randn(seq_len, NUM_KV_HEADS, HEAD_DIM, seed=seed + 3 * b)
-        v = randn(seq_len, NUM_KV_HEADS, HEAD_DIM, seed=seed + 3 * b + 1)
+        k = randn(seq_len, num_kv_heads, HEAD_DIM, seed=seed + 3 * b)
+        v = randn(seq_len, num_kv_heads, HEAD_DIM, seed=seed + 3 * b + 1)
         paged_copy(k, table, key_cache)
         paged_copy(v, table, value_cache)
         keys.append(k), values.append(v)
@@ -491,14 +505,20 @@ def paged_batch(seq_lens: list[int], num_new: list[int], tables: list[list[int]]
 
 
 @pytest.mark.exercise("paged_attention")
-@pytest.mark.parametrize("num_heads", [2, 4])
-def test_paged_attention_matches_dense_attention_on_a_mixed_batch(impl, num_heads):
-    # a whole prefill (10 tokens), a decode (1 new of 6), a chunk (3 new of 9), a one-token prompt
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(2, 2), (4, 2), (9, 3)])  # MHA; GQA 2; SmolLM2's GQA 3
+def test_paged_attention_matches_dense_attention_on_a_mixed_batch(impl, num_heads, num_kv_heads):
+    # a whole prefill (10 tokens), a decode (1 new of 6), a chunk (3 new of 9: it starts mid-block, after a cached
+    # prefix), a one-token prompt
     seq_lens, num_new, tables = [10, 6, 9, 1], [10, 1, 3, 1], [[4, 9, 0], [7, 2], [1, 8, 3], [6]]
-    q, key_cache, value_cache, metadata, keys, values = paged_batch(seq_lens, num_new, tables, num_heads, seed=10)
+    q, key_cache, value_cache, metadata, keys, values = paged_batch(
+        seq_lens, num_new, tables, num_heads, seed=10, num_kv_heads=num_kv_heads
+    )
     got = impl.paged_attention(q, key_cache, value_cache, metadata, 0.3)
     want = torch.cat([dense_attention(qb, k, v, 0.3) for qb, k, v in zip(q.split(num_new), keys, values)])
-    inputs = f"seq_lens {seq_lens}, new tokens {num_new}, block_tables {tables}, Hq {num_heads}, Hkv 2, scale 0.3"
+    inputs = (
+        f"seq_lens {seq_lens}, new tokens {num_new}, block_tables {tables}, Hq {num_heads}, Hkv {num_kv_heads}, "
+        "scale 0.3"
+    )
     expect_close(got, want, inputs=inputs)
 
 
@@ -550,3 +570,32 @@ def test_generate_paged_matches_naive_generation(impl, block_size):
 def test_generate_paged_with_zero_new_tokens(impl):
     got = impl.generate_paged(model_named("llama-gqa"), [[1, 2, 3], [4]], 0)
     expect_equal(got, [[], []], inputs="prompts [[1, 2, 3], [4]], 0 new tokens")
+
+
+# --- capstone ---------------------------------------------------------------------------------------------------
+
+# Three SmolLM2 prompts of 4, 12 and 37 tokens in one static batch, at block_size 4: the first two fill their last
+# block exactly, so their first decode token already needs a new block, and every sequence takes 3 more blocks
+# during decode.
+CAPSTONE_BATCH = [1, 3, 0]  # indices into CAPSTONE_PROMPTS
+CAPSTONE_NEW_TOKENS = 12
+CAPSTONE_BLOCK_SIZE = 4
+
+
+@pytest.mark.exercise("capstone")
+@pytest.mark.timeout(300)  # a real model: a few seconds on an idle machine, far more on a crowded one
+def test_capstone_smollm2_through_all_your_pieces_gives_hugging_faces_tokens(impl):
+    """Your queue (inside the block pool), block manager, slot mapping (inside `prepare_inputs`), KV store,
+    gather and paged attention (inside the `PagedAttention` backend of every layer), driven by your
+    `generate_paged`: the greedy tokens must be those of Hugging Face `generate`."""
+    model, _ = smollm2()
+    prompts = [list(CAPSTONE_PROMPTS[i]) for i in CAPSTONE_BATCH]
+    inputs = (
+        f"SmolLM2-135M-Instruct, a static batch of prompts of {[len(p) for p in prompts]} tokens, "
+        f"{CAPSTONE_NEW_TOKENS} new tokens each, block_size {CAPSTONE_BLOCK_SIZE}, greedy; "
+        "every exercise of the chapter in place of the reference"
+    )
+    with swap_in(impl, REFERENCE) as mine:
+        got = mine.generate_paged(model, prompts, CAPSTONE_NEW_TOKENS, CAPSTONE_BLOCK_SIZE)
+    want = [smollm2_greedy(i, CAPSTONE_NEW_TOKENS) for i in CAPSTONE_BATCH]
+    expect_equal(got, want, inputs=f"{inputs} (expected: Hugging Face generate's tokens)")
