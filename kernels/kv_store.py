@@ -63,11 +63,12 @@ def store_kv_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     *,
-    kernel: Any = kv_store_kernel,
+    kernel: Any = None,
 ) -> None:
     """Write key, value (T, Hkv, D) into the caches at `slot_mapping` (T,), skipping slots of -1.
 
-    `kernel` is the Triton kernel to launch (this module's by default; chapter 6 passes the learner's).
+    `kernel` is the Triton kernel to launch: None means this module's `kv_store_kernel`, looked up at call time,
+    so that whatever this module holds under that name runs (chapter 6's capstone puts the learner's there).
     """
     num_blocks, block_size, num_kv_heads, head_dim = check_caches(key_cache, value_cache)
     check_tensor("key", key, 3, (key_cache.dtype,), key_cache.device)
@@ -79,6 +80,7 @@ def store_kv_cache(
     check_shape("slot_mapping", slot_mapping, (num_tokens,))
     if num_tokens == 0:
         return
+    kernel = kv_store_kernel if kernel is None else kernel
     kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
         key.stride(0), key.stride(1),

@@ -244,14 +244,15 @@ def paged_decode_attention(
     scale: float,
     num_splits: int | None = None,
     *,
-    decode_kernel: Any = paged_decode_kernel,
-    split_kernel: Any = paged_decode_split_kernel,
-    merge_kernel: Any = merge_splits_kernel,
+    decode_kernel: Any = None,
+    split_kernel: Any = None,
+    merge_kernel: Any = None,
 ) -> torch.Tensor:
     """query (num_seqs, Hq, D), one token per sequence, attends to its `seq_lens[b]` cached tokens -> (num_seqs, Hq, D).
 
     `num_splits=None` lets `choose_num_splits` decide; 1 launches the single-pass kernel, more the split
-    kernel and the merge. The `*_kernel` arguments are the Triton kernels to launch (chapter 6 passes its own).
+    kernel and the merge. The `*_kernel` arguments are the Triton kernels to launch: None means this module's
+    kernel of that name, looked up at call time (chapter 6 passes the learner's, or its capstone puts them here).
     Every entry of seq_lens must be at least 1 and at most max_blocks * block_size (not checked: it would
     cost a device-to-host copy per call).
     """
@@ -271,6 +272,9 @@ def paged_decode_attention(
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
 
+    decode_kernel = paged_decode_kernel if decode_kernel is None else decode_kernel
+    split_kernel = paged_decode_split_kernel if split_kernel is None else split_kernel
+    merge_kernel = merge_splits_kernel if merge_kernel is None else merge_kernel
     out = torch.empty_like(query)
     if num_seqs == 0:
         return out
