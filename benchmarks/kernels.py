@@ -1,7 +1,7 @@
 """What a paged read costs: gather bandwidth on the CPU, and the Triton decode kernel on a GPU.
 
     python -m benchmarks.kernels --cpu     # read a sequence's K/V through a block table, block size 1..128
-    python -m benchmarks.kernels           # the GPU benchmark (says so and exits 0 without a GPU)
+    python -m benchmarks.kernels           # the GPU benchmark ("skipped: no GPU", exit 0, without one)
 
 CPU (no GPU needed). One sequence's K and V, 32,768 tokens × 3 KV heads × 64 dims in fp32 (SmolLM2's head
 shape, 48 MiB together, so that main memory and not a cache serves them), sit in shuffled order in a pool of
@@ -19,6 +19,10 @@ query length 1, random block tables, for batch 1–256 × context 512–8192 and
 cost of the indirection), split against unsplit, and PyTorch SDPA on contiguous KV. The L2 cache is flushed
 between timed runs. Target: paged decode ≥ 70% of the measured copy bandwidth at batch 64 × context 2048 on an
 H100. Uses only Triton features present in 3.6 and 3.9 (no `tl.make_block_ptr`).
+
+Eager against CUDA graphs: the same paged decode call timed per call, back to back without flushing (what an
+engine step pays), launched from Python (eager: argument checks, Triton's launcher) and replayed from a CUDA
+graph that captured it. The difference is the launch cost; it matters where the kernel itself is short.
 """
 
 import argparse
@@ -142,6 +146,30 @@ def gpu_time(fn, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def wall_time_per_call(fn, reps: int = 200) -> float:
+    """Seconds per call of `fn` run back to back, synchronised once at the end: launch cost included."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / reps
+
+
+def as_cuda_graph(fn):
+    """`fn` captured as a CUDA graph (after a warm-up on a side stream, where Triton compiles); returns its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def gpu_copy_bandwidth() -> float:
     src = torch.empty(2**30, dtype=torch.int8, device="cuda")
     dst = torch.empty_like(src)
@@ -164,8 +192,11 @@ def gpu_case(batch: int, context: int, num_heads: int, num_kv_heads: int, head_d
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     query = torch.randn(batch, num_heads, head_dim, dtype=dtype, device=device)
     scale = head_dim**-0.5
+    paged = lambda: paged_decode_attention(query, key_cache, value_cache, shuffled, seq_lens, scale)  # noqa: E731
     times = {
-        "paged": gpu_time(lambda: paged_decode_attention(query, key_cache, value_cache, shuffled, seq_lens, scale)),
+        "paged": gpu_time(paged),
+        "eager_call": wall_time_per_call(paged),
+        "graph_call": wall_time_per_call(as_cuda_graph(paged)),
         "in_order": gpu_time(lambda: paged_decode_attention(query, key_cache, value_cache, in_order, seq_lens, scale)),
         "unsplit": gpu_time(
             lambda: paged_decode_attention(query, key_cache, value_cache, shuffled, seq_lens, scale, num_splits=1)
@@ -189,7 +220,8 @@ def gpu_benchmark() -> None:
     name = torch.cuda.get_device_name()
     print(f"{name}: measured device copy bandwidth (read + write) {copy:.0f} GB/s; kernels interpreted: {kernels.interpreted()}")
     print("fraction of copy bandwidth reached (bytes = K + V + q + out), bf16, block size 16, shuffled tables")
-    header = f"{'shape':<14} {'batch':>5} {'context':>7} {'splits':>6} {'paged':>7} {'in-order':>8} {'unsplit':>8} {'SDPA contig':>11} {'paged µs':>9}"
+    header = (f"{'shape':<14} {'batch':>5} {'context':>7} {'splits':>6} {'paged':>7} {'in-order':>8} {'unsplit':>8} "
+              f"{'SDPA contig':>11} {'paged µs':>9} {'eager µs/call':>13} {'graph µs/call':>13}")
     print(header)
     verdict = None
     for shape, (hq, hkv, d) in HEAD_SHAPES.items():
@@ -202,7 +234,8 @@ def gpu_benchmark() -> None:
                 splits = choose_num_splits(batch, hkv, context, _num_sms(torch.device("cuda")))
                 print(
                     f"{shape:<14} {batch:>5} {context:>7} {splits:>6} {frac['paged']:>7.0%} {frac['in_order']:>8.0%} "
-                    f"{frac['unsplit']:>8.0%} {frac['sdpa']:>11.0%} {t['paged'] * 1e6:>9.0f}"
+                    f"{frac['unsplit']:>8.0%} {frac['sdpa']:>11.0%} {t['paged'] * 1e6:>9.0f} "
+                    f"{t['eager_call'] * 1e6:>13.1f} {t['graph_call'] * 1e6:>13.1f}"
                 )
                 if (batch, context) == TARGET[:2] and shape == "llama-3-8b":
                     verdict = frac["paged"]
@@ -222,7 +255,7 @@ def main() -> None:
         print(cpu_table(cpu_measurement(reps=args.reps)))
         return
     if not torch.cuda.is_available():
-        print("no GPU: the GPU benchmark needs a CUDA device (try --cpu for the CPU measurement)")
+        print("skipped: no GPU (torch.cuda.is_available() is False); the CPU measurement is --cpu")
         return
     gpu_benchmark()
 

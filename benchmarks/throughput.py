@@ -4,6 +4,7 @@
     python -m benchmarks.throughput --quick      # W16 with short lengths, under two minutes
     python -m benchmarks.throughput --json       # one JSON object (the table's figures)
     python -m benchmarks.throughput --save chapters/05_continuous_batching/throughput.json
+    python -m benchmarks.throughput --device cuda   # W64 on a GPU (prints "skipped: no GPU" and exits 0 without)
 
 Workload W64 (seeded): 64 requests, prompts of random token ids with lengths uniform in [16, 256], outputs
 uniform in [16, 256], EOS ignored. Useful tokens = the requested output tokens; a baseline that generates more
@@ -18,6 +19,20 @@ fp32 on this machine's cores, one after the other, so the ratios compare like wi
 The roofline: the machine's fp32 matmul rate bounds decode, since every generated token costs at least
 2 × (weights it multiplies) FLOPs. `roofline_fraction` = that per-token cost × engine tokens/s ÷ matmul FLOP/s,
 over the whole workload (prefill and the tail included in the time, not in the numerator).
+
+On a GPU (`--device cuda`, `--dtype`, default bfloat16), the same W64, one system after the other:
+
+- engine, CUDA graphs:  `LLM(device="cuda", attention_backend="triton")`, decode steps replayed as graphs;
+- engine, eager:        the same with `enforce_eager=True` (every kernel launched from Python);
+- HF generate:          static batches of 32 as above, dynamic cache, no compilation;
+- HF static + compile:  the same batches with `cache_implementation="static"`, which makes `generate` compile the
+                        decode forward with torch.compile; the compile time (first call minus a warm call) is
+                        printed apart and not counted in tok/s.
+
+Then the decode step time against the batch size (exactly N sequences of 128 tokens running), graphs on and off,
+beside the launch-bound floor: the kernels one eager decode step launches (counted with the profiler) times the
+measured cost of launching one small kernel from Python. An eager step near that floor is bound by launches, not
+by the GPU; a graph replay removes most of it. One table, saved as JSON (`--save`, default throughput_cuda.json).
 """
 
 import argparse
@@ -87,18 +102,27 @@ def run_engine(prompts: list[list[int]], output_lens: list[int]) -> dict:
             "model": llm.model, "outputs": [o.outputs[0].token_ids for o in outputs], "llm": llm}
 
 
-def run_hf_generate(hf, prompts: list[list[int]], output_lens: list[int], pad_id: int, batch_size: int = 32) -> dict:
-    """Static batches as a user writes them: left padding, each batch generates up to its longest request."""
+def run_hf_generate(hf, prompts: list[list[int]], output_lens: list[int], pad_id: int, batch_size: int = 32,
+                    width: int | None = None, max_new_tokens: int | None = None, **generate_kwargs) -> dict:
+    """Static batches as a user writes them: left padding, each batch generates up to its longest request.
+
+    `width` and `max_new_tokens` (default: each batch's own) pad every batch to one shape, so that a compiled
+    forward over a static cache compiles once. Runs on the model's device."""
+    device = hf.device
     start, useful = time.perf_counter(), 0
     for first in range(0, len(prompts), batch_size):
         batch, lens = prompts[first : first + batch_size], output_lens[first : first + batch_size]
-        width = max(len(p) for p in batch)
-        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        batch_width = width or max(len(p) for p in batch)
+        new_tokens = max_new_tokens or max(lens)
+        input_ids = torch.tensor([[pad_id] * (batch_width - len(p)) + p for p in batch], device=device)
+        attention_mask = torch.tensor([[0] * (batch_width - len(p)) + [1] * len(p) for p in batch], device=device)
         with torch.inference_mode():
-            out = hf.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max(lens),
-                              min_new_tokens=max(lens), do_sample=False, eos_token_id=None, pad_token_id=pad_id)
-        useful += sum(min(n, out.shape[1] - width) for n in lens)
+            out = hf.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=pad_id,
+                              **generate_kwargs)
+        useful += sum(min(n, out.shape[1] - batch_width) for n in lens)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     return {"seconds": time.perf_counter() - start, "useful_tokens": useful}
 
 
@@ -158,12 +182,143 @@ def step_cost_curve(llm, num_running: list[int], context_lens: list[int], num_st
     return rows
 
 
+# --- on a GPU ---------------------------------------------------------------------------------------------------
+
+
+def run_engine_cuda(prompts: list[list[int]], output_lens: list[int], dtype: str, enforce_eager: bool) -> dict:
+    """The engine on the GPU with the Triton backend, graphs on or off: tok/s over the workload after a warm-up."""
+    from solutions import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(model=MODEL, device="cuda", dtype=dtype, attention_backend="triton", max_num_seqs=64,
+              max_num_batched_tokens=2048, max_model_len=1024, kv_cache_memory_bytes=2**31, enforce_eager=enforce_eager)
+    setup = time.perf_counter() - start  # load + KV cache + (graphs on) capture of every batch size
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up: Triton compiles the prefill kernels
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert generated == sum(output_lens), "every request generates exactly its max_tokens (EOS ignored)"
+    return {"seconds": seconds, "useful_tokens": generated, "setup_seconds": setup, "llm": llm,
+            "outputs": [o.outputs[0].token_ids for o in outputs]}
+
+
+def launch_floor(llm) -> dict:
+    """Kernels launched by one eager decode step of one sequence (profiler count) × the measured cost of one launch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from solutions import SamplingParams
+
+    engine = llm.llm_engine
+    engine.add_request("floor", list(range(100, 228)), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    engine.step()  # the prefill
+    graphs, engine.model_runner.cuda_graphs = engine.model_runner.cuda_graphs, None  # this step eagerly
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        torch.cuda.synchronize()
+    engine.model_runner.cuda_graphs = graphs
+    engine.abort_request("floor")
+    kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                  and not e.name.startswith(("Memcpy", "Memset")))  # kernels only, not the copies
+    x = torch.zeros(1, device="cuda")
+    for _ in range(100):
+        x.add_(1)
+    torch.cuda.synchronize()
+    reps, start = 2000, time.perf_counter()
+    for _ in range(reps):
+        x.add_(1)  # one tiny kernel per call: the launch path, not the GPU, is what is timed
+    torch.cuda.synchronize()
+    launch_us = (time.perf_counter() - start) / reps * 1e6
+    return {"kernels_per_step": kernels, "launch_us": launch_us, "floor_ms": kernels * launch_us / 1e3}
+
+
+def run_hf_static_compiled(hf, prompts: list[list[int]], output_lens: list[int], pad_id: int) -> dict:
+    """HF generate with a static cache (it then compiles the decode forward), every batch padded to one shape."""
+    shape = dict(width=max(map(len, prompts)), max_new_tokens=max(output_lens), cache_implementation="static")
+    start = time.perf_counter()
+    run_hf_generate(hf, prompts[:32], output_lens[:32], pad_id, **shape)  # first call: compiles, then runs
+    first = time.perf_counter() - start
+    warm = run_hf_generate(hf, prompts[:32], output_lens[:32], pad_id, **shape)["seconds"]
+    result = run_hf_generate(hf, prompts, output_lens, pad_id, **shape)
+    return {**result, "compile_seconds": first - warm}
+
+
+def cuda_main(args: argparse.Namespace) -> None:
+    if not torch.cuda.is_available():
+        print("skipped: no GPU (torch.cuda.is_available() is False); "
+              "the CPU benchmark is `python -m benchmarks.throughput`")
+        return
+    from transformers import AutoModelForCausalLM
+
+    from solutions.model.loader import load_tokenizer, resolve_model
+
+    torch.manual_seed(0)
+    num_requests, low, high = (16, 16, 64) if args.quick else (64, 16, 256)
+    tokenizer = load_tokenizer(MODEL)
+    prompts, output_lens = make_workload(num_requests, low, high, len(tokenizer))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    systems: dict[str, dict] = {}
+    curves: dict[str, list[dict]] = {}
+    running = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= num_requests or n == 1]
+    floor = None
+    for name, eager in (("engine, CUDA graphs", False), ("engine, eager", True)):
+        result = run_engine_cuda(prompts, output_lens, args.dtype, enforce_eager=eager)
+        curves[name] = step_cost_curve(result["llm"], running, [128])
+        if eager:
+            floor = launch_floor(result["llm"])
+        systems[name] = result
+        del result["llm"]
+        torch.cuda.empty_cache()
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model(MODEL), dtype=getattr(torch, args.dtype)).to("cuda").eval()
+    systems["HF generate (dynamic cache)"] = run_hf_generate(hf, prompts, output_lens, pad_id)
+    systems["HF static cache + torch.compile"] = run_hf_static_compiled(hf, prompts, output_lens, pad_id)
+
+    graphs_equal_eager = systems["engine, CUDA graphs"].pop("outputs") == systems["engine, eager"].pop("outputs")
+    summary = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": args.dtype,
+        "workload": {"requests": num_requests, "prompt_len": [low, high], "output_len": [low, high],
+                     "useful_tokens": sum(output_lens)},
+        "systems": {name: {"tok_s": r["useful_tokens"] / r["seconds"], **r} for name, r in systems.items()},
+        "graphs_tokens_equal_eager": graphs_equal_eager,
+        "step_time_vs_batch": curves,
+        "launch_floor": floor,
+    }
+    save = args.save or Path("throughput_cuda.json")
+    save.write_text(json.dumps(summary, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(summary))
+        return
+    print(f"{summary['device']}, torch {summary['torch']}, SmolLM2-135M {args.dtype}; "
+          f"workload: {num_requests} requests, prompts and outputs uniform in [{low}, {high}] tokens, {sum(output_lens)} useful output tokens\n")
+    print(f"{'system':<36}{'tok/s':>10}{'× HF':>8}  notes")
+    base = summary["systems"]["HF generate (dynamic cache)"]["tok_s"]
+    for name, row in summary["systems"].items():
+        note = (f"setup {row['setup_seconds']:.1f} s" if "setup_seconds" in row else
+                f"compile {row['compile_seconds']:.1f} s (not in tok/s)" if "compile_seconds" in row else "")
+        print(f"{name:<36}{row['tok_s']:10.0f}{row['tok_s'] / base:7.2f}×  {note}")
+    print(f"\ngreedy tokens, graphs on == off: {graphs_equal_eager}")
+    print(f"\ndecode step time, N sequences of 128 tokens running (ms); launch-bound floor of an eager step: "
+          f"{floor['kernels_per_step']} kernels × {floor['launch_us']:.1f} µs = {floor['floor_ms']:.2f} ms")
+    print(f"{'N':>4}{'graphs':>10}{'eager':>10}")
+    for on, off in zip(curves["engine, CUDA graphs"], curves["engine, eager"], strict=True):
+        print(f"{on['running']:>4}{on['step_ms']:>10.2f}{off['step_ms']:>10.2f}")
+    print(f"\nsaved to {save}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="W16 with lengths in [16, 64]: under two minutes")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--save", type=Path, help="also write the JSON object to this file")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the GPU comparison (W64)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16",
+                        help="the GPU comparison's dtype (the CPU benchmark is float32)")
     args = parser.parse_args()
+    if args.device == "cuda":
+        cuda_main(args)
+        return
 
     from grading.tiny_models import hf_model
     from solutions.model.loader import load_tokenizer, resolve_model

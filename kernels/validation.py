@@ -1,10 +1,32 @@
 """Argument checks the kernel wrappers run before a launch: a wrong shape, dtype or stride raises `ValueError`
 naming the argument, instead of a kernel reading the wrong memory (which, in the interpreter, can crash the
-process)."""
+process).
+
+`check_caches` runs first in every wrapper, so it also checks that a launch can work at all: that the interpreter
+could be switched on when there is no GPU (`kernels/__init__.py` leaves `LAUNCH_ERROR` when it could not — importing
+never fails), and that compiled kernels get CUDA tensors."""
+
+import os
 
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Why no kernel can be launched in this process (set on import by `kernels/__init__.py`), or None.
+LAUNCH_ERROR: str | None = None
+
+
+def check_launchable(device: torch.device) -> None:
+    """Raise before a launch that cannot work: no interpreter and no GPU (RuntimeError, with what to do), or CPU
+    tensors handed to kernels compiled for the GPU (ValueError: make them on the GPU)."""
+    if LAUNCH_ERROR is not None:
+        raise RuntimeError(LAUNCH_ERROR)
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "the tensors are on the CPU, but the kernels are compiled for the GPU: make them on the GPU "
+            "(grading.devices.DEVICE, or LLM(device='cuda')); Triton's interpreter (TRITON_INTERPRET=1) "
+            "runs CPU tensors"
+        )
 
 
 def check_tensor(
@@ -35,8 +57,10 @@ def check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
 
 
 def check_caches(key_cache: object, value_cache: object) -> tuple[int, int, int, int]:
-    """Both caches `[num_blocks, block_size, num_kv_heads, head_dim]`, same shape, dtype and strides."""
+    """Both caches `[num_blocks, block_size, num_kv_heads, head_dim]`, same shape, dtype and strides; and a launch
+    on their device can work (`check_launchable`)."""
     check_tensor("key_cache", key_cache, 4, FLOAT_DTYPES)
+    check_launchable(key_cache.device)
     check_tensor("value_cache", value_cache, 4, FLOAT_DTYPES, key_cache.device)
     if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
         raise ValueError(

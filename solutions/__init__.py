@@ -11,7 +11,8 @@ import torch
 
 # Without a GPU, Triton runs only in its interpreter (chapter 6's `attention_backend="triton"`), and the switch is
 # read when Triton decorates a function — including its own standard library, when it is first imported (which
-# `transformers` may do). So it is set here, before anything else can import Triton.
+# `transformers` may do). So it is set here, before anything else can import Triton. (If Triton came first anyway,
+# `import kernels` switches its standard library over; see kernels/__init__.py.)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

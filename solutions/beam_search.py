@@ -104,7 +104,7 @@ def beam_search_step(
     num_beams, vocab_size = logprobs.shape
     if num_beams != len(beams):
         raise ValueError(f"logprobs has {num_beams} rows for {len(beams)} beams")
-    cum = torch.tensor([beam.cum_logprob for beam in beams], dtype=torch.float32)  # (B,)
+    cum = torch.tensor([beam.cum_logprob for beam in beams], dtype=torch.float32, device=logprobs.device)  # (B,)
     scores = (cum[:, None] + logprobs.float()).flatten()  # (B * V,) in float32, as HF adds them
     top_scores, top_ids = scores.topk(min(2 * beam_width, scores.numel()))  # best first
     live: list[Beam] = []

@@ -8,8 +8,10 @@
 import dataclasses
 from collections.abc import Sequence as Seq
 
+import torch
 from tqdm.auto import tqdm
 
+from solutions.attention.paged import KVCache
 from solutions.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from solutions.core.block_manager import cdiv
 from solutions.core.sched.request_queue import SchedulingPolicy
@@ -20,6 +22,30 @@ from solutions.sampling_params import RequestOutputKind, SamplingParams
 from solutions.worker.model_runner import ATTENTION_BACKENDS
 
 SCHEDULING_POLICIES = tuple(policy.value for policy in SchedulingPolicy)
+DEVICES = ("cpu", "cuda")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# CPU matmuls in float16 are emulated (several times slower than float32 here); bfloat16 runs natively.
+CPU_DTYPES = ("float32", "bfloat16")
+
+
+def resolve_device_and_dtype(device: str, dtype: str | torch.dtype) -> tuple[torch.device, torch.dtype]:
+    """Check `device` and `dtype` once, at the boundary: ValueError naming the field and the allowed values."""
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "device='cuda' but PyTorch sees no CUDA GPU (torch.cuda.is_available() is False; the pinned torch is the "
+            "CPU build: install the CUDA build of the same version), or use device='cpu'"
+        )
+    names = {v: k for k, v in DTYPES.items()}
+    name = names.get(dtype, dtype) if isinstance(dtype, torch.dtype) else dtype
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+    if device == "cpu" and name not in CPU_DTYPES:
+        raise ValueError(
+            f"dtype={name!r} is not supported on device='cpu'; on the CPU dtype must be one of {CPU_DTYPES}"
+        )
+    return torch.device(device), DTYPES[name]
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -40,8 +66,13 @@ class LLM:
 
     `num_kv_blocks=None` sizes the paged KV cache so that `max_num_seqs` sequences of `max_model_len` tokens
     all fit, but within `kv_cache_memory_bytes` (as vLLM's option of that name; vLLM's default instead takes a
-    fraction of the GPU's free memory). `long_prefill_token_threshold=None` lets one prompt take the whole token
-    budget of a step.
+    fraction of the GPU's free memory), counted in `dtype`'s bytes. `long_prefill_token_threshold=None` lets
+    one prompt take the whole token budget of a step.
+
+    `device` ("cpu" or "cuda") and `dtype` ("float32", "bfloat16", "float16"; the CPU takes the first two) say
+    where the weights, the KV cache and the activations live. With `attention_backend="triton"` on a GPU the
+    kernels compile natively and pure-decode steps replay CUDA graphs, one per batch-size bucket, unless
+    `enforce_eager=True` (the torch backend always runs eagerly; so does everything on the CPU).
     """
 
     def __init__(
@@ -58,6 +89,9 @@ class LLM:
         scheduling_policy: str = "fcfs",
         attention_backend: str = "torch",
         seed: int = 0,
+        device: str = "cpu",
+        dtype: str = "float32",
+        enforce_eager: bool = False,
     ) -> None:
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
@@ -77,15 +111,17 @@ class LLM:
         _positive_int("kv_cache_memory_bytes", kv_cache_memory_bytes)
         if max_model_len is not None:
             _positive_int("max_model_len", max_model_len)
-        self.model = load_model(model)
+        if not isinstance(enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {enforce_eager!r}")
+        self.device, self.dtype = resolve_device_and_dtype(device, dtype)
+        self.model = load_model(model, device=self.device, dtype=self.dtype)
         self.tokenizer = load_tokenizer(model)
         limit = self.model.config.max_position_embeddings
         max_model_len = min(limit, 2048) if max_model_len is None else max_model_len
         if max_model_len > limit:
             raise ValueError(f"max_model_len must be at most the model's max_position_embeddings={limit}, got {max_model_len}")
         if num_kv_blocks is None:
-            config = self.model.config
-            bytes_per_block = 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * 4
+            bytes_per_block = KVCache.bytes_per_block(self.model.config, block_size, self.dtype)
             num_kv_blocks = max(1, min(max_num_seqs * cdiv(max_model_len, block_size), kv_cache_memory_bytes // bytes_per_block))
         self.llm_engine = LLMEngine(
             self.model,
@@ -100,6 +136,7 @@ class LLM:
             scheduling_policy=SchedulingPolicy(scheduling_policy),
             attention_backend=attention_backend,
             seed=seed,
+            enforce_eager=enforce_eager,
         )
         self._request_counter = 0
 

@@ -20,8 +20,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     num_queries_per_kv = q.shape[1] // k.shape[1]
     k, v = repeat_kv(k, num_queries_per_kv), repeat_kv(v, num_queries_per_kv)  # (Tk, Hq, D)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # (Hq, Tq, Tk)
-    query_pos = torch.arange(Tk - Tq, Tk)[:, None]  # (Tq, 1)
-    key_pos = torch.arange(Tk)[None, :]  # (1, Tk)
+    query_pos = torch.arange(Tk - Tq, Tk, device=q.device)[:, None]  # (Tq, 1)
+    key_pos = torch.arange(Tk, device=q.device)[None, :]  # (1, Tk)
     scores = scores.masked_fill(key_pos > query_pos, float("-inf"))  # (Hq, Tq, Tk)
     probs = torch.softmax(scores, dim=-1)  # (Hq, Tq, Tk)
     return torch.einsum("hqk,khd->qhd", probs, v)  # (Tq, Hq, D)

@@ -31,15 +31,25 @@ class KVCache:
     value_caches: list[torch.Tensor]
 
     @classmethod
-    def allocate(cls, config: ModelConfig, num_blocks: int, block_size: int) -> "KVCache":
+    def allocate(
+        cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> "KVCache":
+        """Zeroed pools in the model's dtype, on its device (the kernels read and write them in place)."""
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         # Zeros, not torch.empty: a batched backend reads whole blocks, padding included, and weighs the slots
         # past a sequence's end by a probability of 0 — but 0 × NaN is NaN, and uninitialised memory may hold
         # NaN. Once zeroed, a slot only ever holds real (finite) keys and values, stale or current.
         return cls(
-            [torch.zeros(shape) for _ in range(config.num_hidden_layers)],
-            [torch.zeros(shape) for _ in range(config.num_hidden_layers)],
+            [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)],
+            [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)],
         )
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype = torch.float32) -> int:
+        """K and V of one block in every layer: what sizing the pool from a memory budget divides by."""
+        element_size = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * element_size
 
     @property
     def num_bytes(self) -> int:
@@ -82,7 +92,12 @@ def gather_kv(cache: torch.Tensor, block_table: list[int], seq_len: int) -> torc
 def paged_attention(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """Attention for a flat batch of queries q (T, Hq, D) over each sequence's paged context -> (T, Hq, D)."""
+    """Attention for a flat batch of queries q (T, Hq, D) over each sequence's paged context -> (T, Hq, D).
+
+    Sequence b's queries are rows `query_start_loc[b]:[b + 1]`, the last of its `seq_lens[b]` tokens (the store
+    ran first), so a prefill, a chunk after a cached prefix and a decode are one case; `causal_attention` aligns
+    the mask to the end of the context and shares each KV head with its group of query heads (GQA).
+    """
     out = torch.empty_like(q)
     starts = metadata.query_start_loc.tolist()
     for b, block_table in enumerate(metadata.block_tables):
@@ -95,7 +110,11 @@ def paged_attention(
 
 
 class PagedAttention:
-    """Backend for one engine step: store the new K/V by slot mapping, then attend through block tables."""
+    """Backend for one engine step: store the new K/V by slot mapping, then attend through block tables.
+
+    What chapter 3's `generate_paged` runs in every layer; the engine's default backend does the same with its
+    decodes batched (`torch_backend.py`), and tests hold that one to this one.
+    """
 
     def __init__(self, kv_cache: KVCache, metadata: AttentionMetadata) -> None:
         self.kv_cache, self.metadata = kv_cache, metadata

@@ -12,6 +12,11 @@ step's sequences are split by query length:
   matmuls. A prefill with no earlier context attends to its own new K/V directly (nothing to gather); a later
   chunk, or a prompt whose head was found in the prefix cache, gathers its context through its block table.
 
+The metadata arrives on the host (the scheduler's lists, turned into tensors); what the attention ops index
+with is copied once per step to the cache's device, so the same backend runs on the CPU and on a GPU, in the
+cache's dtype. It never runs inside a CUDA graph (see `solutions/worker/cuda_graph.py`): its batched gather
+copies every sequence's context out of the cache, which a graph would have to do at a fixed, maximal width.
+
 Where this lives in vLLM: `vllm/v1/attention/backends/` (one backend per implementation, e.g. the CPU
 backend's split into prefill and decode metadata).
 """
@@ -19,7 +24,6 @@ backend's split into prefill and decode metadata).
 import torch
 import torch.nn.functional as F
 
-from solutions.attention.causal import causal_attention
 from solutions.attention.paged import AttentionMetadata, KVCache, gather_kv, write_to_kv_cache
 
 
@@ -39,7 +43,7 @@ def batched_decode_attention(
     flat = block_tables.flatten()  # (Bd * max_blocks,)
     keys = key_cache.index_select(0, flat).view(Bd, -1, Hkv, D)  # (Bd, L, Hkv, D), L = max_blocks * block_size
     values = value_cache.index_select(0, flat).view(Bd, -1, Hkv, D)  # (Bd, L, Hkv, D)
-    visible = torch.arange(keys.shape[1])[None, :] < seq_lens[:, None]  # (Bd, L) False past each sequence's end
+    visible = torch.arange(keys.shape[1], device=q.device)[None, :] < seq_lens[:, None]  # (Bd, L) False past each end
     out = F.scaled_dot_product_attention(
         q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=visible[:, None, None, :],
         scale=scale, enable_gqa=True,
@@ -51,26 +55,31 @@ class TorchAttentionBackend:
     """Store the step's new K/V by slot mapping, then attend: decodes batched, prefills one by one."""
 
     def __init__(self, kv_cache: KVCache, metadata: AttentionMetadata) -> None:
+        """`metadata` on the host; what the ops index with is copied here, once per step, to the cache's device."""
         self.kv_cache, self.metadata = kv_cache, metadata
-        query_lens = (metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]).tolist()  # (B,)
+        device = kv_cache.key_caches[0].device
+        self.query_starts, self.seq_lens = metadata.query_start_loc.tolist(), metadata.seq_lens.tolist()  # host
+        query_lens = [end - start for start, end in zip(self.query_starts, self.query_starts[1:])]  # (B,)
         self.decodes = [b for b, n in enumerate(query_lens) if n == 1]
         self.prefills = [b for b, n in enumerate(query_lens) if n > 1]
         decodes = torch.tensor(self.decodes, dtype=torch.long)
-        self.decode_rows = metadata.query_start_loc[decodes]  # (Bd,) row of each decode's token
-        self.decode_block_tables = metadata.block_table_tensor[decodes].long()  # (Bd, max_blocks)
-        self.decode_seq_lens = metadata.seq_lens[decodes]  # (Bd,)
+        self.slot_mapping = metadata.slot_mapping.to(device)  # (T,)
+        self.decode_rows = metadata.query_start_loc[decodes].to(device)  # (Bd,) row of each decode's token
+        tables = metadata.block_table_tensor[decodes]  # (Bd, max_blocks) int32
+        self.decode_block_tables = tables.to(device=device, dtype=torch.long)  # (Bd, max_blocks)
+        self.decode_seq_lens = metadata.seq_lens[decodes].to(device)  # (Bd,)
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (T, Hq, D), k and v (T, Hkv, D) for the step's T new tokens -> (T, Hq, D)."""
         key_cache, value_cache = self.kv_cache.key_caches[layer_idx], self.kv_cache.value_caches[layer_idx]
-        write_to_kv_cache(k, v, key_cache, value_cache, self.metadata.slot_mapping)
+        write_to_kv_cache(k, v, key_cache, value_cache, self.slot_mapping)
         scale = q.shape[-1] ** -0.5
         out = torch.empty_like(q)
         if self.decodes:
             out[self.decode_rows] = batched_decode_attention(
                 q[self.decode_rows], key_cache, value_cache, self.decode_block_tables, self.decode_seq_lens, scale
             )
-        starts, seq_lens = self.metadata.query_start_loc.tolist(), self.metadata.seq_lens.tolist()
+        starts, seq_lens = self.query_starts, self.seq_lens
         for b in self.prefills:
             rows = slice(starts[b], starts[b + 1])
             if seq_lens[b] == starts[b + 1] - starts[b]:  # no earlier context: attend to the new K/V only
@@ -78,7 +87,7 @@ class TorchAttentionBackend:
             else:
                 block_table = self.metadata.block_tables[b]
                 keys, values = gather_kv(key_cache, block_table, seq_lens[b]), gather_kv(value_cache, block_table, seq_lens[b])
-                out[rows] = causal_attention(q[rows], keys, values, scale)
+                out[rows] = causal_context_attention(q[rows], keys, values, scale)
         return out
 
 
@@ -89,3 +98,15 @@ def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True
     )  # (Hq, T, D)
     return out.transpose(0, 1)  # (T, Hq, D)
+
+
+def causal_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """The last Tq tokens (Tq, Hq, D) of a Tk-token context attend causally to it, k and v (Tk, Hkv, D) ->
+    (Tq, Hq, D): query i sits at position Tk - Tq + i. Chapter 3's `causal_attention`, fused, on q's device."""
+    Tq, Tk = q.shape[0], k.shape[0]
+    query_pos = torch.arange(Tk - Tq, Tk, device=q.device)[:, None]  # (Tq, 1)
+    visible = torch.arange(Tk, device=q.device)[None, :] <= query_pos  # (Tq, Tk)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=visible, scale=scale, enable_gqa=True
+    )  # (Hq, Tq, D)
+    return out.transpose(0, 1)  # (Tq, Hq, D)

@@ -9,7 +9,9 @@ The metadata's tensors are converted once per step (in the constructor), not onc
 tables padded with block 0 (never read past `seq_lens[b]`), int32 lengths and offsets, and the longest query.
 
 On a machine without CUDA the kernels run in Triton's interpreter (`import kernels` turns it on), so the
-backend works, slowly, on the CPU; on a GPU the cache and the activations must live on the device.
+backend works, slowly, on the CPU; on a GPU the kernels compile natively, and the cache and the activations live
+on the device (`LLM(device="cuda")`). There, pure-decode steps replay CUDA graphs captured over `for_decode`
+backends (`solutions/worker/cuda_graph.py`).
 
 Where this lives in vLLM: `vllm/v1/attention/backends/triton_attn.py` (`TritonAttentionImpl.forward`).
 """
@@ -35,6 +37,25 @@ class TritonAttentionBackend:
         query_lens = metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]  # (B,) on the host
         self.max_query_len = int(query_lens.max()) if len(query_lens) else 0
         self.decode_only = self.max_query_len == 1 and bool((query_lens == 1).all())
+
+    @classmethod
+    def for_decode(
+        cls, kv_cache: KVCache, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
+    ) -> "TritonAttentionBackend":
+        """A pure-decode step over tensors already on the cache's device — a CUDA graph's static inputs: slot
+        mapping (B,) int64, block tables (B, max_blocks) int32, seq_lens (B,) int32. Nothing is read back to the
+        host, so every launch the forward makes can be captured, and replayed on new contents of the same
+        tensors."""
+        import kernels
+
+        backend = cls.__new__(cls)
+        backend._kernels = kernels
+        backend.kv_cache, backend.metadata = kv_cache, None
+        backend.slot_mapping, backend.block_tables, backend.seq_lens = slot_mapping, block_tables, seq_lens
+        num_seqs = block_tables.shape[0]
+        backend.query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device=block_tables.device)
+        backend.max_query_len, backend.decode_only = 1, True
+        return backend
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (T, Hq, D), k and v (T, Hkv, D) for the step's new tokens -> attention output (T, Hq, D)."""

@@ -83,6 +83,7 @@ class LLMEngine:
         scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS,
         attention_backend: str = "torch",
         seed: int = 0,
+        enforce_eager: bool = False,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.block_size, self.max_model_len = block_size, max_model_len
@@ -95,7 +96,10 @@ class LLMEngine:
             self.kv_cache_manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             long_prefill_token_threshold=long_prefill_token_threshold, policy=scheduling_policy,
         )
-        self.model_runner = ModelRunner(model, num_kv_blocks, block_size, attention_backend)
+        self.model_runner = ModelRunner(
+            model, num_kv_blocks, block_size, attention_backend, enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+        )
         self.requests: dict[str, RequestState] = {}
         self._owner: dict[int, tuple[RequestState, int]] = {}  # seq_id -> (its request, its sample index)
         self._seq_ids = itertools.count()

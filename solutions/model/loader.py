@@ -80,8 +80,11 @@ def convert_smollm2(folder: Path) -> None:
     tmp.rename(folder)
 
 
-def load_model(model: str = DEFAULT_MODEL) -> LlamaForCausalLM:
-    """Build our modules from the checkpoint's config and fill them from its safetensors (float32, eval mode)."""
+def load_model(
+    model: str = DEFAULT_MODEL, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> LlamaForCausalLM:
+    """Build our modules from the checkpoint's config and fill them from its safetensors (eval mode), with the
+    weights in `dtype` on `device` (the checkpoint is read as float32 first, then cast once)."""
     folder = resolve_model(model)
     config = ModelConfig.from_folder(folder)
     with torch.device("meta"):  # no time spent on random init of weights we overwrite anyway
@@ -98,6 +101,9 @@ def load_model(model: str = DEFAULT_MODEL) -> LlamaForCausalLM:
         raise ValueError(f"checkpoint {folder} does not match the model: missing {missing}, unexpected {unexpected}")
     if config.tie_word_embeddings:
         llm.lm_head.weight = llm.model.embed_tokens.weight
+    inv_freq = llm.model.rotary_emb.inv_freq  # float32, and kept so: rounded to bf16, far positions drift
+    llm = llm.to(device=device, dtype=dtype)
+    llm.model.rotary_emb.inv_freq = inv_freq.to(device)
     return llm.eval()
 
 

@@ -9,6 +9,10 @@ The draw is the one per-row part: each sequence owns a `torch.Generator`, so a s
 uniform number whatever else shares the step, and picks its token by inverse CDF (the first token whose
 cumulative probability exceeds it). That is what makes a seeded request reproducible inside any batch.
 
+The logits may live on a GPU: the filters and the draw run there, on the logits' device. The generators stay on
+the host (one scalar draw per sampled row, then one copy of the batch's uniforms to the device), so a seeded
+request draws the same numbers on the CPU and on a GPU.
+
 Where this lives in vLLM: `vllm/v1/sample/sampler.py`, `vllm/v1/sample/ops/topk_topp_sampler.py` (and min-p in
 `vllm/v1/sample/logits_processor/`).
 """
@@ -23,7 +27,7 @@ from solutions.sampling_params import SamplingParams
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     """Set to -inf every logit (B, V) outside its row's k most likely; top_k (B,) int (V keeps all)."""
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
-    rank = torch.arange(logits.shape[-1])[None, :]  # (1, V)
+    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]  # (1, V)
     drop = rank >= top_k[:, None]  # (B, V) in sorted order: outside the top-k
     return logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
 
@@ -74,16 +78,19 @@ class SamplerOutput:
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> SamplerOutput:
     """One next token per row of `logits` (B, V), row b drawn with params[b] and generators[b]."""
     logits = logits.float()
+    device = logits.device
     token_ids = logits.argmax(dim=-1)  # (B,) the greedy choice; sampled rows overwrite theirs
     sampled = [b for b, p in enumerate(params) if not p.greedy]
     if sampled:
-        rows = logits[sampled] / torch.tensor([params[b].temperature for b in sampled])[:, None]  # (Bs, V)
+        temperature = torch.tensor([params[b].temperature for b in sampled], device=device)  # (Bs,)
+        rows = logits[sampled] / temperature[:, None]  # (Bs, V)
         vocab_size = logits.shape[-1]
-        top_k = torch.tensor([params[b].top_k if params[b].top_k > 0 else vocab_size for b in sampled])
-        top_p = torch.tensor([float(params[b].top_p) for b in sampled])
-        min_p = torch.tensor([float(params[b].min_p) for b in sampled])
-        probs = torch.softmax(apply_top_k_top_p_min_p(rows, top_k, top_p, min_p), dim=-1)  # (Bs, V)
-        uniform = torch.stack([torch.rand((), generator=generators[b]) for b in sampled])  # (Bs,)
+        top_k = torch.tensor([params[b].top_k if params[b].top_k > 0 else vocab_size for b in sampled], device=device)
+        top_p = torch.tensor([float(params[b].top_p) for b in sampled], device=device)
+        min_p = torch.tensor([float(params[b].min_p) for b in sampled], device=device)
+        with device:  # factory calls in the filters (a rank `torch.arange`) make their tensors beside the logits
+            probs = torch.softmax(apply_top_k_top_p_min_p(rows, top_k, top_p, min_p), dim=-1)  # (Bs, V)
+        uniform = torch.stack([torch.rand((), generator=generators[b]) for b in sampled]).to(device)  # (Bs,) host draws
         cdf = probs.cumsum(dim=-1)  # (Bs, V)
         choice = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).squeeze(1)  # (Bs,)
         token_ids[sampled] = choice.clamp(max=vocab_size - 1)  # guard the float edge u * total == total

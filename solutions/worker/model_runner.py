@@ -5,6 +5,11 @@ flat batch of T tokens, with per-token metadata (position, cache slot) and per-s
 rows start, its context length, its block table). No padding to the longest sequence: every row is a real
 token. For sequence b the new tokens are `token_ids[num_computed_tokens : num_computed_tokens + n_b]`.
 
+The metadata is built on the host; `execute_model` runs where the model's weights are (CPU or GPU, in their
+dtype): the KV cache is allocated there, token ids and positions are copied there, and the attention backend
+copies the metadata it indexes with. On a GPU with the Triton backend, pure-decode steps replay CUDA graphs
+(`solutions/worker/cuda_graph.py`) unless `enforce_eager`.
+
 Where this lives in vLLM: `vllm/v1/worker/gpu_model_runner.py` (`_prepare_inputs`, `execute_model`).
 """
 
@@ -47,18 +52,34 @@ def prepare_inputs(
 
 
 class ModelRunner:
-    """Owns the model and the paged KV cache; one `execute_model` call is one forward pass."""
+    """Owns the model and the paged KV cache (on the model's device, in its dtype); one `execute_model` call is
+    one forward pass.
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, attention_backend: str = "torch") -> None:
+    CUDA graphs are captured for pure-decode steps when the model is on a GPU, the backend is "triton",
+    `enforce_eager` is False and the largest batch (`max_num_seqs`) and context (`max_model_len`) are given;
+    `self.cuda_graphs` is None otherwise.
+    """
+
+    def __init__(
+        self, model: LlamaForCausalLM, num_blocks: int, block_size: int, attention_backend: str = "torch", *,
+        enforce_eager: bool = False, max_num_seqs: int | None = None, max_model_len: int | None = None,
+    ) -> None:
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
         self.model, self.block_size = model, block_size
+        weight = model.model.embed_tokens.weight
+        self.device, self.dtype = weight.device, weight.dtype
         self.seconds = {"prepare": 0.0, "forward": 0.0}  # running totals, for the engine's step breakdown
-        self.kv_cache = KVCache.allocate(model.config, num_blocks, block_size)
+        self.kv_cache = KVCache.allocate(model.config, num_blocks, block_size, dtype=self.dtype, device=self.device)
+        self.cuda_graphs = None
         if attention_backend == "triton":
             from solutions.attention.triton_backend import TritonAttentionBackend  # imports Triton only when asked
 
             self.backend_cls = TritonAttentionBackend
+            if self.device.type == "cuda" and not enforce_eager and max_num_seqs and max_model_len:
+                from solutions.worker.cuda_graph import CUDAGraphRunner
+
+                self.cuda_graphs = CUDAGraphRunner(model, self.kv_cache, max_num_seqs, max_model_len, block_size)
         else:
             self.backend_cls = TorchAttentionBackend
 
@@ -71,10 +92,15 @@ class ModelRunner:
         start = time.perf_counter()
         if scheduler_output.blocks_to_copy:
             copy_blocks(self.kv_cache, scheduler_output.blocks_to_copy)
-        input_ids, positions, metadata = prepare_inputs(scheduler_output, self.block_size)
-        backend = self.backend_cls(self.kv_cache, metadata)
-        prepared = time.perf_counter()
-        hidden = self.model(input_ids, positions, backend)  # (T, D_model)
+        input_ids, positions, metadata = prepare_inputs(scheduler_output, self.block_size)  # on the host
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(metadata):  # a pure decode: replay
+            prepared = time.perf_counter()
+            hidden = self.cuda_graphs.run(input_ids, positions, metadata)  # (B, D_model), B == T
+        else:
+            backend = self.backend_cls(self.kv_cache, metadata)  # copies the metadata it needs to the device
+            input_ids, positions = input_ids.to(self.device), positions.to(self.device)  # (T,), (T,)
+            prepared = time.perf_counter()
+            hidden = self.model(input_ids, positions, backend)  # (T, D_model)
         last_rows = metadata.query_start_loc[1:] - 1  # (B,) row of each sequence's last new token
         for seq, num_new in zip(scheduler_output.scheduled_seqs, scheduler_output.num_scheduled_tokens, strict=True):
             seq.num_computed_tokens += num_new

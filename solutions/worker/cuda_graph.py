@@ -1,0 +1,175 @@
+"""Decode steps as CUDA graphs: record a decode step's kernel launches once per batch size, then replay them.
+
+A decode step of a small model is launch-bound: 30 layers × a dozen kernels each, every one a few microseconds
+of GPU work behind a few microseconds of Python and driver overhead. A CUDA graph records the whole sequence of
+launches once, with the addresses of its inputs and outputs, and replays it with one call. The price is that
+everything a graph touches is fixed at capture: the tensors (so the step's inputs are copied into static buffers
+first), their shapes (so one graph per batch size), and any decision taken on the host (so nothing may be read
+back from the device inside the forward pass).
+
+So, as vLLM and nano-vllm do:
+
+- sizes: graphs are captured for batch sizes 1, 2, 4, 8, ... up to `max_num_seqs` (and `max_num_seqs` itself);
+  a step of B sequences replays the smallest captured size N >= B, its inputs padded to N rows;
+- padding rows: token 0 at position 0, slot -1 (`PAD_SLOT_ID`: the store kernel writes nothing, so a padding row
+  never touches the cache), seq_len 1 and a block table row of zeros (it reads the first slot of block 0: finite,
+  since the pools are zeroed at allocation and only ever hold real keys and values; its output row is dropped);
+- block tables are `max_model_len / block_size` wide, the widest any sequence can need, so one graph serves every
+  context length (the decode kernel reads only `seq_lens[b]` positions of each row);
+- only pure-decode steps: a prefill's query length varies, so prefills and mixed steps run eagerly, as do
+  decode steps larger than the largest graph. `enforce_eager=True` turns graphs off; on the CPU there are none.
+- only the Triton backend: its launches read their metadata from device tensors. The torch backend's batched
+  gather would copy every sequence's context out of the cache at the graph's fixed, maximal width.
+
+Where this lives in vLLM: `vllm/v1/worker/gpu_model_runner.py` (`capture_model`, `_dummy_run`), the sizes in
+`vllm/config` (`cudagraph_capture_sizes`); nano-vllm: `ModelRunner.capture_cudagraph`.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from solutions.attention.paged import AttentionMetadata, KVCache
+from solutions.attention.triton_backend import TritonAttentionBackend
+from solutions.core.block_manager import cdiv
+from solutions.model.llama import LlamaForCausalLM
+
+PAD_SLOT_ID = -1  # a padding token's slot: the store kernel skips it
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """The batch sizes that get a graph: powers of two below `max_num_seqs`, then `max_num_seqs` itself.
+
+    Padding a batch to the next size at most doubles its rows, and a decode step of a small model costs about
+    the same for 33 rows as for 64 (it is bound by launches and by reading the weights, not by rows).
+    """
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+    sizes = [1]
+    while sizes[-1] * 2 < max_num_seqs:
+        sizes.append(sizes[-1] * 2)
+    if sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sizes
+
+
+def bucket_for(num_seqs: int, sizes: list[int]) -> int | None:
+    """The smallest captured size that holds `num_seqs` rows, or None past the largest (the step runs eagerly)."""
+    return next((size for size in sizes if size >= num_seqs), None)
+
+
+@dataclass
+class PaddedDecodeBatch:
+    """A decode step's inputs padded to a graph's N rows (host tensors, copied into the static buffers)."""
+
+    input_ids: torch.Tensor  # (N,) int64, 0 in padding rows
+    positions: torch.Tensor  # (N,) int64, 0 in padding rows
+    slot_mapping: torch.Tensor  # (N,) int64, PAD_SLOT_ID in padding rows: nothing is written
+    seq_lens: torch.Tensor  # (N,) int32, 1 in padding rows: one finite slot is read
+    block_tables: torch.Tensor  # (N, max_blocks) int32, zeros past each table and in padding rows
+
+
+def pad_decode_batch(
+    input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, num_rows: int, max_blocks: int
+) -> PaddedDecodeBatch:
+    """Pad a pure-decode step of B sequences (one token each: input_ids, positions (B,)) to `num_rows` >= B rows
+    and its block tables to `max_blocks` columns."""
+    num_seqs = len(metadata.block_tables)
+    if not (input_ids.shape[0] == positions.shape[0] == int(metadata.query_start_loc[-1]) == num_seqs):
+        raise ValueError("a padded decode batch needs exactly one new token per sequence")
+    if not num_seqs <= num_rows:
+        raise ValueError(f"a step of {num_seqs} sequences does not fit a graph of {num_rows} rows")
+    widest = max((len(table) for table in metadata.block_tables), default=0)
+    if widest > max_blocks:
+        raise ValueError(f"a block table of {widest} blocks does not fit the graph's {max_blocks} columns")
+    batch = PaddedDecodeBatch(
+        input_ids=torch.zeros(num_rows, dtype=torch.long),
+        positions=torch.zeros(num_rows, dtype=torch.long),
+        slot_mapping=torch.full((num_rows,), PAD_SLOT_ID, dtype=torch.long),
+        seq_lens=torch.ones(num_rows, dtype=torch.int32),
+        block_tables=torch.zeros(num_rows, max_blocks, dtype=torch.int32),
+    )
+    batch.input_ids[:num_seqs] = input_ids
+    batch.positions[:num_seqs] = positions
+    batch.slot_mapping[:num_seqs] = metadata.slot_mapping
+    batch.seq_lens[:num_seqs] = metadata.seq_lens
+    for b, table in enumerate(metadata.block_tables):
+        batch.block_tables[b, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    return batch
+
+
+class CUDAGraphRunner:
+    """The decode forward pass over static buffers, one captured graph per batch size in `capture_sizes`.
+
+    `capture=False` keeps the same static-buffer path without graphs: every step then runs the padded forward
+    eagerly. That is how the CPU tests check the padding (tokens unchanged, the cache untouched by padding rows)
+    where CUDA is absent; on a GPU `ModelRunner` always captures.
+    """
+
+    def __init__(
+        self, model: LlamaForCausalLM, kv_cache: KVCache, max_num_seqs: int, max_model_len: int, block_size: int,
+        capture: bool = True,
+    ) -> None:
+        self.model, self.kv_cache = model, kv_cache
+        self.sizes = capture_sizes(max_num_seqs)
+        self.max_blocks = cdiv(max_model_len, block_size)
+        weight = model.model.embed_tokens.weight
+        device, rows = weight.device, self.sizes[-1]
+        # Static buffers: every graph reads and writes these very tensors (its first rows).
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)  # (N,)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)  # (N,)
+        self.slot_mapping = torch.full((rows,), PAD_SLOT_ID, dtype=torch.long, device=device)  # (N,)
+        self.seq_lens = torch.ones(rows, dtype=torch.int32, device=device)  # (N,)
+        self.block_tables = torch.zeros(rows, self.max_blocks, dtype=torch.int32, device=device)  # (N, max_blocks)
+        self.hidden = torch.zeros(rows, model.config.hidden_size, dtype=weight.dtype, device=device)  # (N, D_model)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.num_replays = 0  # steps served by a graph (or, with capture=False, by the padded eager path)
+        if capture:
+            self.capture()
+
+    def _forward(self, num_rows: int) -> None:
+        """The decode forward pass over the first `num_rows` rows of the static buffers."""
+        backend = TritonAttentionBackend.for_decode(
+            self.kv_cache, self.slot_mapping[:num_rows], self.block_tables[:num_rows], self.seq_lens[:num_rows]
+        )
+        self.hidden[:num_rows] = self.model(self.input_ids[:num_rows], self.positions[:num_rows], backend)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture one graph per size, largest first, all in one memory pool (graphs replay one at a time, so
+        they can share it). Slots are all PAD_SLOT_ID meanwhile: capturing writes nothing into the cache."""
+        pool = None
+        for size in reversed(self.sizes):
+            self._forward(size)  # warm-up: Triton compiles its kernels, the allocator settles
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._forward(size)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+
+    def can_run(self, metadata: AttentionMetadata) -> bool:
+        """A pure-decode step (one new token per sequence) that fits the largest graph."""
+        num_seqs = len(metadata.block_tables)
+        return 0 < num_seqs <= self.sizes[-1] and int(metadata.query_start_loc[-1]) == num_seqs
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states (B, D_model) of a pure-decode step (host inputs), by replaying the graph of its
+        bucket. The result is a view of the static output buffer: valid until the next step."""
+        num_seqs = input_ids.shape[0]
+        size = bucket_for(num_seqs, self.sizes)
+        padded = pad_decode_batch(input_ids, positions, metadata, size, self.max_blocks)
+        for static, value in (
+            (self.input_ids, padded.input_ids), (self.positions, padded.positions),
+            (self.slot_mapping, padded.slot_mapping), (self.seq_lens, padded.seq_lens),
+            (self.block_tables, padded.block_tables),
+        ):
+            static[:size].copy_(value, non_blocking=True)
+        if size in self.graphs:
+            self.graphs[size].replay()
+        else:
+            with torch.inference_mode():
+                self._forward(size)
+        self.num_replays += 1
+        return self.hidden[:num_seqs]
