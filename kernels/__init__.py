@@ -4,6 +4,8 @@
 - `paged_decode`: one query token per sequence attends to its context read through the block table, with an
   online softmax; optionally split over the context (flash-decoding) and merged by log-sum-exp.
 - `unified_attention`: a mixed batch of prefills and decodes in one kernel (vLLM's `triton_unified_attention`).
+- warm-ups of chapter 6: `online_softmax` (the online softmax in PyTorch, tile by tile) and `contiguous_decode`
+  (the decode kernel over a contiguous cache, before the block table).
 
 Cache layout, as in vLLM's FlashAttention backend: `[num_blocks, block_size, num_kv_heads, head_dim]`, block
 tables `[num_seqs, max_blocks]` int32.
@@ -99,18 +101,29 @@ from kernels.paged_decode import (  # noqa: E402
     paged_decode_split_kernel,
 )
 from kernels.unified_attention import unified_attention, unified_attention_kernel, unified_attention_reference  # noqa: E402
+from kernels.contiguous_decode import (  # noqa: E402
+    contiguous_decode_attention,
+    contiguous_decode_attention_reference,
+    contiguous_decode_kernel,
+)
+from kernels.online_softmax import online_softmax_attention, online_softmax_attention_reference  # noqa: E402
 
 # In the interpreter a kernel object reports Triton's module as its own; name the module that defines it, so that
 # `from <kernel.__module__> import <kernel.__name__>` finds it (chapter notebooks import the reference that way).
-for _module in ("kv_store", "paged_decode", "unified_attention"):
+for _module in ("kv_store", "paged_decode", "unified_attention", "contiguous_decode"):
     for _kernel in vars(__import__(f"kernels.{_module}", fromlist=["_"])).values():
         if getattr(_kernel, "__module__", None) == "triton.runtime.interpreter":
             _kernel.__module__ = f"kernels.{_module}"
 
 __all__ = [
     "choose_num_splits",
+    "contiguous_decode_attention",
+    "contiguous_decode_attention_reference",
+    "contiguous_decode_kernel",
     "kv_store_kernel",
     "merge_splits_kernel",
+    "online_softmax_attention",
+    "online_softmax_attention_reference",
     "paged_decode_attention",
     "paged_decode_attention_reference",
     "paged_decode_kernel",
