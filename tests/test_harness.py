@@ -1,6 +1,7 @@
 """The grader survives the learner: a syntax error, an exception or an endless loop is reported against its
 exercise, and the other exercises are still graded."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,7 +56,7 @@ def test_endless_loop_times_out_as_a_failure_of_its_exercise(tmp_path):
     source = "def apply_rope(x, cos, sin):\n    while True:\n        pass\n"
     out = grade(chapter_with(tmp_path, {"apply_rope": source}, timeout=2), "--exercise=apply_rope")
     assert "Timeout" in out
-    assert "FAIL  apply_rope                   0 passed, 3 failed" in out
+    assert re.search(r"FAIL  apply_rope\s+0 passed, [1-9]\d* failed", out), out[-2000:]
 
 
 def test_unknown_impl_is_a_usage_error(tmp_path):
