@@ -1,12 +1,16 @@
 """The grader survives the learner: a syntax error, an exception or an endless loop is reported against its
-exercise, and the other exercises are still graded."""
+exercise, and the other exercises are still graded. And the learner's own definitions, in the notebook's module,
+run together: a notebook whose exercise cells hold the reference's source passes every chapter's capstone."""
 
+import inspect
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import nbformat
+import pytest
 
 from grading import CHAPTERS
 from grading.impl import ROOT
@@ -62,3 +66,37 @@ def test_endless_loop_times_out_as_a_failure_of_its_exercise(tmp_path):
 def test_unknown_impl_is_a_usage_error(tmp_path):
     out = grade(chapter_with(tmp_path, {}), "--impl=teacher")
     assert "--impl='teacher' is not one of: learner (default), reference, live, mutant:<name>" in out
+
+
+def reference_source(obj: object) -> str:
+    """The reference's own source for an exercise cell (a Triton kernel: its Python function, decorator included)."""
+    return inspect.getsource(getattr(obj, "fn", obj))
+
+
+def helper_imports(obj: object, source: str, exercises: set[str]) -> list[str]:
+    """Imports of the module-level names `source` uses from the reference's module (its private helpers, type
+    aliases, constants) — what a learner who wrote this code would have had to define too. Never another exercise:
+    the learner's own definition of it must be the one used."""
+    module = sys.modules[getattr(obj, "fn", obj).__module__]
+    words = set(re.findall(r"\b\w+\b", source))
+    return [f"from {module.__name__} import {name}" for name in sorted(words & vars(module).keys() - exercises)
+            if not name.startswith("__")]
+
+
+@pytest.mark.parametrize("chapter", sorted(p.name for p in CHAPTERS.iterdir() if (p / f"{p.name}.ipynb").exists()))
+def test_learner_notebook_with_the_reference_source_passes_its_capstone(chapter, tmp_path):
+    """A learner's definitions live in the notebook's own module, not in solutions/: fill every exercise cell with
+    the reference's source, grade the saved notebook (learner mode), and the capstone must pass with those
+    definitions, all of them, running together in the engine."""
+    folder = tmp_path / chapter
+    shutil.copytree(CHAPTERS / chapter, folder)
+    nb = nbformat.read(folder / f"{chapter}.ipynb", as_version=4)
+    reference = chapter_reference(chapter)
+    for cell in exercise_cells(nb):
+        sources = [reference_source(reference[name]) for name in defined_names(cell.source)]
+        imports = sorted({line for name, src in zip(defined_names(cell.source), sources, strict=True)
+                          for line in helper_imports(reference[name], src, set(reference))})
+        cell.source = "\n".join(imports) + "\n\n" + "\n\n".join(sources)
+    nbformat.write(nb, folder / f"{chapter}.ipynb")
+    out = grade(folder, "--exercise=capstone")
+    assert re.search(r"PASS  capstone\s+[1-9]\d* passed, 0 failed", out), out[-4000:]
