@@ -2,6 +2,7 @@
 exercise, and the other exercises are still graded. And the learner's own definitions, in the notebook's module,
 run together: a notebook whose exercise cells hold the reference's source passes every chapter's capstone."""
 
+import ast
 import inspect
 import re
 import shutil
@@ -79,8 +80,22 @@ def helper_imports(obj: object, source: str, exercises: set[str]) -> list[str]:
     the learner's own definition of it must be the one used."""
     module = sys.modules[getattr(obj, "fn", obj).__module__]
     words = set(re.findall(r"\b\w+\b", source))
-    return [f"from {module.__name__} import {name}" for name in sorted(words & vars(module).keys() - exercises)
-            if not name.startswith("__")]
+    return [f"from {module.__name__} import {name}" for name in sorted(words & module_level_names(module) - exercises)]
+
+
+def module_level_names(module: object) -> set[str]:
+    """The names a module's source defines or imports at top level (read from the file, so that attributes a
+    running process added to the module object — Triton's interpreter adds some — do not count)."""
+    names: set[str] = set()
+    for node in ast.parse(inspect.getsource(module)).body:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {target.id for target in targets if isinstance(target, ast.Name)}
+    return {name for name in names if not name.startswith("__")}
 
 
 @pytest.mark.parametrize("chapter", sorted(p.name for p in CHAPTERS.iterdir() if (p / f"{p.name}.ipynb").exists()))
