@@ -109,7 +109,7 @@ def run_hf_generate(hf, prompts: list[list[int]], output_lens: list[int], pad_id
     `width` and `max_new_tokens` (default: each batch's own) pad every batch to one shape, so that a compiled
     forward over a static cache compiles once. Runs on the model's device."""
     device = hf.device
-    start, useful = time.perf_counter(), 0
+    start, useful, tokens = time.perf_counter(), 0, []
     for first in range(0, len(prompts), batch_size):
         batch, lens = prompts[first : first + batch_size], output_lens[first : first + batch_size]
         batch_width = width or max(len(p) for p in batch)
@@ -121,9 +121,10 @@ def run_hf_generate(hf, prompts: list[list[int]], output_lens: list[int], pad_id
                               min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=pad_id,
                               **generate_kwargs)
         useful += sum(min(n, out.shape[1] - batch_width) for n in lens)
+        tokens += [row[batch_width : batch_width + n] for row, n in zip(out.tolist(), lens, strict=True)]
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return {"seconds": time.perf_counter() - start, "useful_tokens": useful}
+    return {"seconds": time.perf_counter() - start, "useful_tokens": useful, "outputs": tokens}
 
 
 def run_hf_generate_batch(hf, prompts: list[list[int]], output_lens: list[int]) -> dict:
@@ -234,6 +235,19 @@ def launch_floor(llm) -> dict:
     return {"kernels_per_step": kernels, "launch_us": launch_us, "floor_ms": kernels * launch_us / 1e3}
 
 
+def token_agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
+    """How far two engines' greedy streams agree: the share of positions with equal tokens, the share of tokens
+    generated before each request's first divergence (after it the two continue different texts), and the number
+    of requests that agree throughout."""
+    total = sum(map(len, ours))
+    equal = sum(a == b for x, y in zip(ours, theirs, strict=True) for a, b in zip(x, y))
+    prefix = 0
+    for x, y in zip(ours, theirs, strict=True):
+        prefix += next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+    identical = sum(x == y for x, y in zip(ours, theirs, strict=True))
+    return {"equal_tokens": equal / total, "before_first_divergence": prefix / total, "identical_requests": identical}
+
+
 def run_hf_static_compiled(hf, prompts: list[list[int]], output_lens: list[int], pad_id: int) -> dict:
     """HF generate with a static cache (it then compiles the decode forward), every batch padded to one shape."""
     shape = dict(width=max(map(len, prompts)), max_new_tokens=max(output_lens), cache_implementation="static")
@@ -275,13 +289,18 @@ def cuda_main(args: argparse.Namespace) -> None:
     systems["HF generate (dynamic cache)"] = run_hf_generate(hf, prompts, output_lens, pad_id)
     systems["HF static cache + torch.compile"] = run_hf_static_compiled(hf, prompts, output_lens, pad_id)
 
-    graphs_equal_eager = systems["engine, CUDA graphs"].pop("outputs") == systems["engine, eager"].pop("outputs")
+    engine_tokens = systems["engine, CUDA graphs"]["outputs"]
+    graphs_equal_eager = engine_tokens == systems["engine, eager"]["outputs"]
+    agreement = token_agreement(engine_tokens, systems["HF generate (dynamic cache)"]["outputs"])
+    for result in systems.values():
+        result.pop("outputs", None)
     summary = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": args.dtype,
         "workload": {"requests": num_requests, "prompt_len": [low, high], "output_len": [low, high],
                      "useful_tokens": sum(output_lens)},
         "systems": {name: {"tok_s": r["useful_tokens"] / r["seconds"], **r} for name, r in systems.items()},
         "graphs_tokens_equal_eager": graphs_equal_eager,
+        "agreement_with_hf": agreement,
         "step_time_vs_batch": curves,
         "launch_floor": floor,
     }
@@ -299,6 +318,9 @@ def cuda_main(args: argparse.Namespace) -> None:
                 f"compile {row['compile_seconds']:.1f} s (not in tok/s)" if "compile_seconds" in row else "")
         print(f"{name:<36}{row['tok_s']:10.0f}{row['tok_s'] / base:7.2f}×  {note}")
     print(f"\ngreedy tokens, graphs on == off: {graphs_equal_eager}")
+    print(f"greedy tokens against HF generate ({args.dtype}): {agreement['equal_tokens']:.1%} of positions equal, "
+          f"{agreement['before_first_divergence']:.1%} of tokens before a request's first divergence, "
+          f"{agreement['identical_requests']} of {num_requests} requests identical")
     print(f"\ndecode step time, N sequences of 128 tokens running (ms); launch-bound floor of an eager step: "
           f"{floor['kernels_per_step']} kernels × {floor['launch_us']:.1f} µs = {floor['floor_ms']:.2f} ms")
     print(f"{'N':>4}{'graphs':>10}{'eager':>10}")

@@ -36,7 +36,13 @@ import triton.language as tl
 
 from kernels.validation import check_caches, check_query, check_shape, check_tensor, next_power_of_2
 
-MIN_TOKENS_PER_SPLIT = 256  # below this a segment's fixed cost (q load, merge traffic) outweighs its reads
+# The launch rule (`choose_num_splits`, `choose_tile`), fitted to a sweep of every (splits, TILE_N, warps) launch
+# over batch 1-256 x context 512-8192 on an H100 (bf16, block size 16; benchmarks/kernels.py --sweep): at every
+# point of that grid it lands within 2 points of copy-bandwidth fraction of the best launch found.
+PROGRAMS_PER_SM = 2  # split until the grid holds this many programs per SM
+MIN_TOKENS_PER_SPLIT = 128  # below this a segment's fixed cost (q load, merge traffic) outweighs its reads
+MAX_SPLITS = 32
+GPU_TILE_N, GPU_NUM_WARPS = 128, 4
 
 
 @triton.jit
@@ -213,20 +219,35 @@ def merge_splits_kernel(
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """How many segments to cut each context into: enough programs to give every SM about two (one wave
-    leaves the SMs that finish first idle while the last programs run), never a segment shorter than
-    MIN_TOKENS_PER_SPLIT, a power of two (each value compiles its own kernel), at most 16.
+    """How many segments to cut each context into: double the count while the grid gives fewer than
+    PROGRAMS_PER_SM programs per SM, as long as a segment keeps at least MIN_TOKENS_PER_SPLIT positions and the
+    count stays within MAX_SPLITS. A power of two, because each value compiles its own kernel.
 
-    No split once num_seqs * num_kv_heads >= 2 * num_sms: the grid already fills the device, and splitting would
-    only add the merge's traffic. Short contexts are not worth splitting either.
+    One program per SM is not enough: the SMs that finish first sit idle while the last programs run, and one
+    small program alone on an SM cannot keep enough loads in flight to hide memory latency. Once the grid holds
+    two per SM, splitting only adds the partials' traffic and a second launch.
     """
-    programs = num_seqs * num_kv_heads
-    if programs >= 2 * num_sms:
-        return 1
-    by_occupancy = triton.cdiv(2 * num_sms, programs)
-    by_length = max_seq_len // MIN_TOKENS_PER_SPLIT
-    num_splits = min(by_occupancy, by_length, 16)
-    return 1 if num_splits < 2 else 1 << (num_splits.bit_length() - 1)  # round down to a power of two
+    programs, num_splits = num_seqs * num_kv_heads, 1
+    while (programs * num_splits < PROGRAMS_PER_SM * num_sms
+           and max_seq_len // (2 * num_splits) >= MIN_TOKENS_PER_SPLIT and 2 * num_splits <= MAX_SPLITS):
+        num_splits *= 2
+    return num_splits
+
+
+def choose_tile(block_size: int, device: torch.device) -> tuple[int, int | None]:
+    """(TILE_N, num_warps) for the decode kernels: context positions per loop iteration, and warps per program.
+
+    On a GPU: 128 positions and 4 warps (one warp per 32 positions), whatever the block size — the kernel looks up
+    a block id per position, so a tile may span several blocks. A decode kernel reads each K/V byte once and
+    does little arithmetic on it; its speed is how many bytes each SM keeps in flight, and a larger tile issues
+    more loads per iteration. Measured on an H100 (bf16, block size 16, 64 × 2048): tying the tile to the block
+    (16) reached 71% of copy bandwidth on Llama-3-8B's head shape, 128 positions 91%.
+    In the interpreter: a whole block when it is a power of two between 16 and 64 (else 16), Triton's default
+    warps (ignored there): small tiles keep the tests' short contexts crossing tile boundaries.
+    """
+    if device.type == "cuda":
+        return GPU_TILE_N, GPU_NUM_WARPS
+    return _tile_n(block_size), None
 
 
 def _num_sms(device: torch.device) -> int:
@@ -244,6 +265,8 @@ def paged_decode_attention(
     scale: float,
     num_splits: int | None = None,
     *,
+    tile_n: int | None = None,
+    num_warps: int | None = None,
     decode_kernel: Any = None,
     split_kernel: Any = None,
     merge_kernel: Any = None,
@@ -251,7 +274,7 @@ def paged_decode_attention(
     """query (num_seqs, Hq, D), one token per sequence, attends to its `seq_lens[b]` cached tokens -> (num_seqs, Hq, D).
 
     `num_splits=None` lets `choose_num_splits` decide; 1 launches the single-pass kernel, more the split
-    kernel and the merge. The `*_kernel` arguments are the Triton kernels to launch: None means this module's
+    kernel and the merge. `tile_n` and `num_warps` (None: `choose_tile`'s) override the launch, for sweeps. The `*_kernel` arguments are the Triton kernels to launch: None means this module's
     kernel of that name, looked up at call time (chapter 6 passes the learner's, or its capstone puts them here).
     Every entry of seq_lens must be at least 1 and at most max_blocks * block_size (not checked: it would
     cost a device-to-host copy per call).
@@ -272,6 +295,11 @@ def paged_decode_attention(
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
 
+    rule_tile_n, rule_num_warps = choose_tile(block_size, device)
+    tile_n = rule_tile_n if tile_n is None else tile_n
+    num_warps = rule_num_warps if num_warps is None else num_warps
+    launch = {} if num_warps is None else {"num_warps": num_warps}
+
     decode_kernel = paged_decode_kernel if decode_kernel is None else decode_kernel
     split_kernel = paged_decode_split_kernel if split_kernel is None else split_kernel
     merge_kernel = merge_splits_kernel if merge_kernel is None else merge_kernel
@@ -281,7 +309,7 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     meta = dict(
         BLOCK_SIZE=block_size,
-        TILE_N=_tile_n(block_size),
+        TILE_N=tile_n,
         GROUP_PADDED=max(16, next_power_of_2(group)),
         HEAD_DIM_PADDED=max(16, next_power_of_2(head_dim)),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
@@ -291,7 +319,7 @@ def paged_decode_attention(
         decode_kernel[(num_seqs, num_kv_heads)](
             out, query, key_cache, value_cache, block_tables, seq_lens, scale,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-            *cache_strides, block_tables.stride(0), group, head_dim, **meta,
+            *cache_strides, block_tables.stride(0), group, head_dim, **meta, **launch,
         )
         return out
     partial_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=device)
@@ -301,7 +329,7 @@ def paged_decode_attention(
         query.stride(0), query.stride(1),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
-        *cache_strides, block_tables.stride(0), group, head_dim, NUM_SPLITS=num_splits, **meta,
+        *cache_strides, block_tables.stride(0), group, head_dim, NUM_SPLITS=num_splits, **meta, **launch,
     )
     merge_kernel[(num_seqs, num_heads)](
         out, partial_out, partial_lse,
@@ -317,8 +345,9 @@ def paged_decode_attention(
 
 
 def _tile_n(block_size: int) -> int:
-    """Context positions per loop iteration: a whole block when it is a power of two between 16 and 64 (one
-    table lookup serves the tile), else 16 or 64 positions spanning several small blocks or part of a large one."""
+    """Context positions per loop iteration in the interpreter: a whole block when it is a power of two between 16
+    and 64 (one table lookup serves the tile), else 16 or 64 positions spanning several small blocks or part of a
+    large one."""
     if block_size < 16:
         return 16
     return min(64, next_power_of_2(block_size)) if block_size & (block_size - 1) == 0 else 16

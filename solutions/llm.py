@@ -114,6 +114,14 @@ class LLM:
         if not isinstance(enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {enforce_eager!r}")
         self.device, self.dtype = resolve_device_and_dtype(device, dtype)
+        if attention_backend == "triton" and self.device.type == "cpu":
+            import kernels
+
+            if not kernels.interpreted():
+                raise ValueError(
+                    "attention_backend='triton' with device='cpu' needs Triton's interpreter, which is off here: a "
+                    "GPU is present, so the kernels compile for it. Use device='cuda', or attention_backend='torch'"
+                )
         self.model = load_model(model, device=self.device, dtype=self.dtype)
         self.tokenizer = load_tokenizer(model)
         limit = self.model.config.max_position_embeddings

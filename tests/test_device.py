@@ -11,6 +11,7 @@ greedy tokens, and graphs on equal graphs off.
 import pytest
 import torch
 
+from grading.devices import DEVICE
 from grading.tiny_models import tiny_checkpoint
 from solutions import LLM, SamplingParams
 from solutions.attention.paged import AttentionMetadata, KVCache
@@ -96,9 +97,10 @@ def test_bfloat16_engine_holds_bfloat16_weights_and_cache_and_agrees_with_float3
 
 
 def test_bfloat16_through_the_triton_kernels_agrees_with_float32():
-    bf16 = tiny_llm(attention_backend="triton", dtype="bfloat16")
+    """On DEVICE: natively on a GPU (graphs on), in the interpreter on the CPU."""
+    bf16 = tiny_llm(attention_backend="triton", dtype="bfloat16", device=DEVICE.type)
     assert bf16.llm_engine.model_runner.kv_cache.key_caches[0].dtype == torch.bfloat16
-    assert_greedy_streams_close(bf16, tiny_llm(attention_backend="triton"), random_prompts(4))
+    assert_greedy_streams_close(bf16, tiny_llm(attention_backend="triton", device=DEVICE.type), random_prompts(4))
 
 
 def test_kv_cache_sizing_counts_the_dtype_bytes():
@@ -165,10 +167,10 @@ def test_padding_refuses_what_a_graph_cannot_replay():
 def test_padded_decode_path_gives_the_eager_tokens_and_serves_every_decode_step():
     """With the graph runner in place but nothing captured (capture=False), every pure-decode step goes through
     the static buffers padded to its bucket: 5 prompts decode in a bucket of 8, then fewer as they finish."""
-    want = greedy_tokens(tiny_llm(attention_backend="triton"))
-    llm = tiny_llm(attention_backend="triton")
+    want = greedy_tokens(tiny_llm(attention_backend="triton", device=DEVICE.type, enforce_eager=True))
+    llm = tiny_llm(attention_backend="triton", device=DEVICE.type, enforce_eager=True)
     runner = llm.llm_engine.model_runner
-    assert runner.cuda_graphs is None, "no graphs on the CPU"
+    assert runner.cuda_graphs is None, "no graphs when eager"
     runner.cuda_graphs = CUDAGraphRunner(llm.model, runner.kv_cache, max_num_seqs=8, max_model_len=128, block_size=16,
                                          capture=False)
     assert greedy_tokens(llm) == want
@@ -178,18 +180,18 @@ def test_padded_decode_path_gives_the_eager_tokens_and_serves_every_decode_step(
 def test_padding_rows_never_write_the_cache():
     from grading.tiny_models import tiny_model
 
-    model = tiny_model("llama-gqa")
-    kv_cache = KVCache.allocate(model.config, num_blocks=6, block_size=4)
+    model = tiny_model("llama-gqa").to(DEVICE)
+    kv_cache = KVCache.allocate(model.config, num_blocks=6, block_size=4, device=DEVICE)
     for cache in kv_cache.key_caches + kv_cache.value_caches:
         cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(0)))
     before = [cache.clone() for cache in kv_cache.key_caches + kv_cache.value_caches]
     graphs = CUDAGraphRunner(model, kv_cache, max_num_seqs=8, max_model_len=16, block_size=4, capture=False)
     metadata = decode_metadata([[5, 2], [3], [1, 4]], [6, 3, 5])  # 3 sequences, bucket 4: one padding row
-    hidden = graphs.run(torch.tensor([9, 8, 7]), torch.tensor([5, 2, 4]), metadata)
+    hidden = graphs.run(torch.tensor([9, 8, 7]), torch.tensor([5, 2, 4]), metadata)  # host inputs, as the engine gives
     assert hidden.shape == (3, model.config.hidden_size) and torch.isfinite(hidden).all()
     written = set(metadata.slot_mapping.tolist())
     for old, new in zip(before, kv_cache.key_caches + kv_cache.value_caches):
-        changed = (old != new).flatten(2).any(-1).flatten()  # (num_blocks * block_size,) slots that changed
+        changed = (old != new).flatten(2).any(-1).flatten().cpu()  # (num_blocks * block_size,) slots that changed
         assert set(changed.nonzero().flatten().tolist()) == written, "only the real rows' slots are written"
 
 
@@ -234,3 +236,10 @@ def test_cuda_graphs_on_equal_graphs_off(dtype):
 @needs_cuda
 def test_cuda_torch_backend_matches_the_cpu_engine():
     assert greedy_tokens(tiny_llm(device="cuda")) == greedy_tokens(tiny_llm())
+
+
+@needs_cuda
+def test_triton_on_the_cpu_beside_a_gpu_is_a_value_error_saying_use_cuda():
+    """With a GPU present the kernels compile for it and the interpreter is off: a CPU engine cannot run them."""
+    with pytest.raises(ValueError, match=r"attention_backend='triton' with device='cpu'.*Use device='cuda'"):
+        tiny_llm(attention_backend="triton")

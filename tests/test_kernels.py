@@ -195,7 +195,8 @@ def greedy_with_backend(model: Any, backend_cls: type, prompts: list[list[int]],
             block_tables=[tables[i][: -(-len(tokens[i]) // block_size)] for i in active],
         )
         with torch.no_grad():
-            hidden = model(on_device(torch.tensor(input_ids)), on_device(torch.tensor(positions)), backend_cls(kv_cache, metadata))
+            ids, pos = torch.tensor(input_ids, device=device), torch.tensor(positions, device=device)
+            hidden = model(ids, pos, backend_cls(kv_cache, metadata))
             logits = model.compute_logits(hidden[torch.tensor(starts[1:]) - 1]).cpu()  # (B, V)
         for row, i in enumerate(active):
             computed[i] = len(tokens[i])
@@ -242,10 +243,13 @@ def run_guarded(cases: list[dict[str, Any]], timeout: float = 600) -> dict[str, 
     """case id -> None (passed) or a failure message, each case run in a worker process that may crash."""
     results: dict[str, str | None] = {}
     pending = list(cases)
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": str(ROOT)}
+    python_path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # keep the caller's
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": python_path}
     while pending:
         proc = subprocess.run([sys.executable, __file__, "--worker"], input=json.dumps(pending), capture_output=True,
                               text=True, cwd=ROOT, env=env, timeout=timeout)
+        if "READY" not in proc.stdout.splitlines():  # died before its first case: no case is to blame
+            raise RuntimeError(f"the kernel worker could not start (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
         for line in proc.stdout.splitlines():
             if line.startswith("CASE "):
                 row = json.loads(line.removeprefix("CASE "))
@@ -259,6 +263,7 @@ def run_guarded(cases: list[dict[str, Any]], timeout: float = 600) -> dict[str, 
 
 
 def worker_main() -> None:
+    print("READY", flush=True)  # imports done: from here a death is the running case's
     for case in json.loads(sys.stdin.read()):
         if case["kind"] == "crash":
             os.kill(os.getpid(), signal.SIGSEGV)
@@ -305,7 +310,7 @@ def small_inputs() -> dict[str, Any]:
     "name, bad",
     [
         ("query", torch.zeros(2, 4, 16, dtype=torch.float64)),
-        ("query", torch.zeros(2, 4, 32)[:, :, ::2]),  # a strided last dimension
+        ("query", lambda: on_device(torch.zeros(2, 4, 32))[:, :, ::2]),  # strided last dimension (made on the device)
         ("query", torch.zeros(2, 3, 16)),  # 3 heads over 2 KV heads
         ("value_cache", torch.zeros(4, 16, 2, 8)),
         ("block_tables", torch.zeros(2, 2, dtype=torch.int64)),
@@ -317,6 +322,7 @@ def small_inputs() -> dict[str, Any]:
 def test_decode_wrapper_names_the_bad_argument(name, bad):
     import kernels
 
+    bad = bad() if callable(bad) else bad
     args = small_inputs() | {name: on_device(bad) if isinstance(bad, torch.Tensor) else bad}
     with pytest.raises(ValueError, match=name):
         kernels.paged_decode_attention(**args)
@@ -343,10 +349,10 @@ def test_store_and_unified_wrappers_name_the_bad_argument():
     [
         (64, 8, 2048, 132, 1),  # 512 programs: about four per SM already
         (64, 3, 2048, 132, 2),  # 192 programs: one wave and a half on 132 SMs; two segments each
-        (8, 8, 8192, 132, 4),  # 64 programs: about two per SM needs 4 segments
-        (1, 8, 8192, 132, 16),  # one sequence: as many segments as allowed
-        (1, 8, 300, 132, 1),  # too short to be worth a segment of its own
-        (2, 3, 2048, 132, 8),  # lengths cap it: 2048 / 256
+        (8, 8, 8192, 132, 8),  # 64 programs: two per SM needs 8 segments (256 programs are not yet 264)
+        (1, 8, 8192, 132, 32),  # one sequence: as many segments as allowed
+        (1, 8, 300, 132, 2),  # two segments of 150 positions; four would be shorter than 128
+        (2, 3, 2048, 132, 16),  # lengths cap it: 2048 / 128
     ],
 )
 def test_split_heuristic_fills_the_device_without_tiny_segments(num_seqs, num_kv_heads, max_seq_len, num_sms, expected):

@@ -269,8 +269,9 @@ def run_decode(impl, args, num_splits: int, exercise: str, inputs: str) -> torch
     keyword = {"paged_decode_kernel": "decode_kernel", "paged_decode_split_kernel": "split_kernel",
                "merge_splits_kernel": "merge_kernel"}[exercise]
     kernels_under_test = {keyword: getattr(impl, exercise)}
+    tile_n = paged_decode._tile_n(args[1].shape[1])  # small tiles on every device: short contexts cross tiles
     with launching(exercise, inputs):
-        return paged_decode_attention(*args, num_splits=num_splits, **kernels_under_test).cpu()
+        return paged_decode_attention(*args, num_splits=num_splits, tile_n=tile_n, **kernels_under_test).cpu()
 
 
 @pytest.mark.exercise("paged_decode_kernel")
