@@ -286,6 +286,7 @@ def cuda_main(args: argparse.Namespace) -> None:
         del result["llm"]
         torch.cuda.empty_cache()
     hf = AutoModelForCausalLM.from_pretrained(resolve_model(MODEL), dtype=getattr(torch, args.dtype)).to("cuda").eval()
+    run_hf_generate(hf, prompts[:2], [4, 4], pad_id)  # warm-up: cuBLAS handles, kernel selection, allocator
     systems["HF generate (dynamic cache)"] = run_hf_generate(hf, prompts, output_lens, pad_id)
     systems["HF static cache + torch.compile"] = run_hf_static_compiled(hf, prompts, output_lens, pad_id)
 

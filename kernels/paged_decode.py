@@ -38,7 +38,7 @@ from kernels.validation import check_caches, check_query, check_shape, check_ten
 
 # The launch rule (`choose_num_splits`, `choose_tile`), fitted to a sweep of every (splits, TILE_N, warps) launch
 # over batch 1-256 x context 512-8192 on an H100 (bf16, block size 16; benchmarks/kernels.py --sweep): at every
-# point of that grid it lands within 2 points of copy-bandwidth fraction of the best launch found.
+# point of that grid it lands within 2.3 points (of copy-bandwidth fraction) of the best launch found.
 PROGRAMS_PER_SM = 2  # split until the grid holds this many programs per SM
 MIN_TOKENS_PER_SPLIT = 128  # below this a segment's fixed cost (q load, merge traffic) outweighs its reads
 MAX_SPLITS = 32
