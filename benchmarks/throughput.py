@@ -78,6 +78,7 @@ def flops_per_token(model: torch.nn.Module) -> float:
 
 def run_engine(prompts: list[list[int]], output_lens: list[int]) -> dict:
     from solutions import LLM, SamplingParams
+    from solutions.engine.llm_engine import STEP_STAGES
 
     # 2 GiB of KV cache: room for the cost curve's 64 sequences of 512 tokens (W64 itself needs under 1 GiB)
     llm = LLM(model=MODEL, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=1024, kv_cache_memory_bytes=2**31)
@@ -85,17 +86,11 @@ def run_engine(prompts: list[list[int]], output_lens: list[int]) -> dict:
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up: first-call allocations
     engine = llm.llm_engine
     engine.stats.steps.clear()
-    runner_seconds = dict(engine.model_runner.seconds)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     steps = engine.stats.steps
-    total = {k: sum(s.seconds[k] for s in steps) for k in ("schedule", "execute", "sample", "postprocess")}
-    prepare = engine.model_runner.seconds["prepare"] - runner_seconds["prepare"]
-    breakdown = {
-        "schedule": total["schedule"], "prepare": prepare, "forward": total["execute"] - prepare,
-        "sample": total["sample"], "postprocess": total["postprocess"],
-    }
+    breakdown = {stage: sum(s.seconds[stage] for s in steps) for stage in STEP_STAGES}
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert generated == sum(output_lens), "every request generates exactly its max_tokens (EOS ignored)"
     return {"seconds": seconds, "useful_tokens": generated, "steps": len(steps), "breakdown": breakdown,

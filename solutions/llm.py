@@ -12,7 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from solutions.attention.paged import KVCache
-from solutions.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
+from solutions.beam_search import BeamSearchOutput, BeamSearchParams
 from solutions.core.block_manager import cdiv
 from solutions.core.sched.request_queue import SchedulingPolicy
 from solutions.engine.llm_engine import LLMEngine
@@ -205,25 +205,12 @@ class LLM:
     def beam_search(self, prompts: Seq[str | list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """The `params.beam_width` best continuations of each prompt, best first (one `BeamSearchOutput` each).
 
-        Runs outside the scheduler, as vLLM's does, on the engine's KV cache manager and model runner: beams
-        fork and free sequences that share blocks (see `solutions/beam_search.py`). The engine must be idle.
+        Runs outside the scheduler, as vLLM's does, through the engine's `beam_search`: beams fork and free
+        sequences that share blocks (see `solutions/beam_search.py`). The engine must be idle.
         """
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        engine = self.llm_engine
-        if engine.has_unfinished_requests():
-            raise ValueError("beam_search needs an idle engine: finish or abort the unfinished requests first")
-        prompts = _as_prompt_list(prompts)
-        # The processor validates and tokenises each prompt as for `generate` (same checks, same messages).
-        limits = SamplingParams(max_tokens=params.max_tokens)
-        token_ids = [
-            engine.processor.process_inputs(f"beam-{i}", prompt, limits, priority=0, arrival=0).prompt_token_ids
-            for i, prompt in enumerate(prompts)
-        ]
-        beams = run_beam_search(
-            engine.kv_cache_manager, engine.model_runner, token_ids, params,
-            eos_token_id=self.model.config.eos_token_id, max_model_len=engine.max_model_len, seq_ids=engine._seq_ids,
-        )
+        beams = self.llm_engine.beam_search(_as_prompt_list(prompts), params)
         for sequences in beams:
             for seq in sequences:
                 if self.tokenizer is not None:

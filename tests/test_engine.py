@@ -240,3 +240,18 @@ def test_command_line_generates_and_reports_the_engine(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
     assert "Paris" in proc.stdout
     assert "what the engine did" in proc.stdout and "steps" in proc.stdout and "peak in use" in proc.stdout
+
+
+def test_every_step_keeps_its_time_in_one_ledger_by_stage():
+    """Each step's `StepStats.seconds` holds the time of every stage, the model runner's share (inputs, forward)
+    included: the runner keeps no running totals of its own."""
+    from solutions.engine.llm_engine import STEP_STAGES
+
+    llm = LLM(model=str(tiny_checkpoint("llama-gqa")), block_size=16, max_num_seqs=4, max_model_len=128)
+    llm.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    steps = llm.llm_engine.stats.steps
+    assert len(steps) == 5
+    for step in steps:
+        assert tuple(step.seconds) == STEP_STAGES
+        assert step.seconds["prepare"] > 0 and step.seconds["forward"] > 0, "every step ran the model"
+    assert not hasattr(llm.llm_engine.model_runner, "seconds")

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from solutions.beam_search import BeamSearchParams, BeamSearchSequence, run_beam_search
 from solutions.core.kv_cache_manager import KVCacheManager
 from solutions.core.sched.output import SchedulerOutput
 from solutions.core.sched.request_queue import SchedulingPolicy
@@ -43,6 +44,9 @@ _FINISH_REASONS = {
 }
 
 
+STEP_STAGES = ("schedule", "prepare", "forward", "sample", "postprocess")  # where a step's time goes
+
+
 @dataclass
 class StepStats:
     """What one step did, for the live display and the chapter's timelines."""
@@ -54,7 +58,7 @@ class StepStats:
     num_blocks_used: int
     num_preempted: int
     num_cached_tokens: int  # found in the prefix cache by the sequences admitted in this step
-    seconds: dict[str, float]  # per stage: schedule, prepare+forward ("execute"), sample, postprocess
+    seconds: dict[str, float]  # per stage: schedule, prepare, forward, sample, postprocess
 
 
 @dataclass
@@ -105,7 +109,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self.stats = EngineStats()
-        self._seconds: dict[str, float] = {}  # the current step's seconds per stage
+        self._seconds: dict[str, float] = {}  # the current step's seconds per stage: its one timing ledger
 
     # --- requests in and out ---------------------------------------------------------------------------------
 
@@ -154,6 +158,23 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def beam_search(self, prompts: list[str | list[int]], params: BeamSearchParams) -> list[list[BeamSearchSequence]]:
+        """The beams of each prompt, best first (text not filled in): the engine's door for beam search, which
+        runs outside the scheduler, as vLLM's does, on this engine's KV cache manager and model runner
+        (`solutions/beam_search.py`). The engine must be idle. Each prompt is validated and tokenised as for
+        `add_request` (same checks, same messages) before anything runs."""
+        if self.has_unfinished_requests():
+            raise ValueError("beam_search needs an idle engine: finish or abort the unfinished requests first")
+        limits = SamplingParams(max_tokens=params.max_tokens)
+        token_ids = [
+            self.processor.process_inputs(f"beam-{i}", prompt, limits, priority=0, arrival=0).prompt_token_ids
+            for i, prompt in enumerate(prompts)
+        ]
+        return run_beam_search(
+            self.kv_cache_manager, self.model_runner, token_ids, params, eos_token_id=self.model.config.eos_token_id,
+            max_model_len=self.max_model_len, seq_ids=self._seq_ids,
+        )
+
     # --- one step: `engine_step(self)`, made of the stages below ------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -163,7 +184,7 @@ class LLMEngine:
     def schedule(self) -> SchedulerOutput:
         """Stage 1: the scheduler decides which sequences compute how many tokens (and what is preempted)."""
         start = time.perf_counter()
-        self._seconds = dict.fromkeys(("schedule", "execute", "sample", "postprocess"), 0.0)  # a step starts here
+        self._seconds = dict.fromkeys(STEP_STAGES, 0.0)  # a step starts here
         scheduler_output = self.scheduler.schedule()
         self._seconds["schedule"] += time.perf_counter() - start
         return scheduler_output
@@ -171,13 +192,9 @@ class LLMEngine:
     def execute_model(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
         """Stage 2: one forward pass over the flattened batch -> logits (B, V), row b at sequence b's last
         scheduled token (an empty (0, V) when nothing is scheduled)."""
-        start = time.perf_counter()
         if scheduler_output.scheduled_seqs:
-            logits = self.model_runner.execute_model(scheduler_output)  # (B, V)
-        else:
-            logits = torch.empty(0, self.model.config.vocab_size)  # (0, V)
-        self._seconds["execute"] += time.perf_counter() - start
-        return logits
+            return self.model_runner.execute_model(scheduler_output, self._seconds)  # (B, V)
+        return torch.empty(0, self.model.config.vocab_size)  # (0, V)
 
     def fork_samples(self, seq: Sequence) -> list[Sequence]:
         """The sequences that sample from `seq`'s logits row this step: `seq` alone, or — the first time the

@@ -69,7 +69,6 @@ class ModelRunner:
         self.model, self.block_size = model, block_size
         weight = model.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
-        self.seconds = {"prepare": 0.0, "forward": 0.0}  # running totals, for the engine's step breakdown
         self.kv_cache = KVCache.allocate(model.config, num_blocks, block_size, dtype=self.dtype, device=self.device)
         self.cuda_graphs = None
         if attention_backend == "triton":
@@ -83,11 +82,12 @@ class ModelRunner:
         else:
             self.backend_cls = TorchAttentionBackend
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
+    def execute_model(self, scheduler_output: SchedulerOutput, seconds: dict[str, float] | None = None) -> torch.Tensor:
         """Apply the step's copy-on-write copies, write the new tokens' K/V, and return the logits (B, V) at each
         scheduled sequence's last scheduled token (meaningless for a prompt chunk that is not the last).
 
-        Advances every scheduled sequence's `num_computed_tokens` by its scheduled tokens.
+        Advances every scheduled sequence's `num_computed_tokens` by its scheduled tokens. `seconds`, the engine's
+        ledger for this step, gets the time spent preparing the inputs ("prepare") and in the model ("forward").
         """
         start = time.perf_counter()
         if scheduler_output.blocks_to_copy:
@@ -105,6 +105,7 @@ class ModelRunner:
         for seq, num_new in zip(scheduler_output.scheduled_seqs, scheduler_output.num_scheduled_tokens, strict=True):
             seq.num_computed_tokens += num_new
         logits = self.model.compute_logits(hidden[last_rows])  # (B, V)
-        self.seconds["prepare"] += prepared - start
-        self.seconds["forward"] += time.perf_counter() - prepared
+        if seconds is not None:
+            seconds["prepare"] += prepared - start
+            seconds["forward"] += time.perf_counter() - prepared
         return logits
