@@ -361,6 +361,30 @@ def test_split_heuristic_fills_the_device_without_tiny_segments(num_seqs, num_kv
     assert kernels.choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms) == expected
 
 
+def test_tile_rule_is_wide_on_a_gpu_and_follows_the_block_in_the_interpreter():
+    from kernels.paged_decode import choose_tile
+
+    for block_size in (1, 16, 32, 128):
+        assert choose_tile(block_size, torch.device("cuda")) == (128, 4)  # the sweep's rule, whatever the block
+    assert [choose_tile(b, torch.device("cpu"))[0] for b in (1, 8, 16, 32, 64, 128, 24)] == [16, 16, 16, 32, 64, 64, 16]
+
+
+@pytest.mark.parametrize("num_splits, tile_n, num_warps", [(1, 32, 2), (1, 128, 4), (3, 64, 8), (2, 16, None)])
+def test_a_launch_override_gives_the_same_attention(num_splits, tile_n, num_warps):
+    """The sweep's overrides change how the work is cut, never the result: tiles that span several blocks or
+    part of one, over ragged lengths and a shuffled table."""
+    import kernels
+
+    gen = torch.Generator().manual_seed(5)
+    case = dict(dtype="float32", block_size=16, num_kv_heads=2, head_dim=64)
+    inputs = paged_inputs(case, [1, 16, 37, 90], gen)
+    query = torch.randn(4, 6, 64, generator=gen)
+    want = kernels.paged_decode_attention_reference(query, **inputs, scale=0.125)
+    got = kernels.paged_decode_attention(on_device(query), *(on_device(inputs[k]) for k in inputs), 0.125,
+                                         num_splits, tile_n=tile_n, num_warps=num_warps).cpu()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 # --- Triton's interpreter switch, whatever imported Triton first ------------------------------------------------
 
 _CLEAN_ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
