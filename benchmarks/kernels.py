@@ -183,37 +183,53 @@ VLLM_H100 = {
 TARGETS = {"llama-3-8b": 0.94, "smollm2-135m": 0.70}  # at 64 × 2048: cuDNN's figure on contiguous KV (same H100)
 
 
-def gpu_case(batch: int, context: int, num_heads: int, num_kv_heads: int, head_dim: int) -> dict[str, float]:
-    """Seconds for each variant at one shape (graph replay and eager), and the bytes a decode step must move."""
-    import torch.nn.functional as F
-
-    from kernels import paged_decode_attention
-
-    block_size, dtype, device = 16, torch.bfloat16, "cuda"
+def decode_inputs(batch: int, context: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                  device: str = "cuda") -> dict[str, object]:
+    """One decode step's arguments for `paged_decode_attention` (bf16, block size 16, every sequence `context`
+    tokens long, its blocks scattered by a shuffled table), and the bytes the step must move (K + V + q + out)."""
+    block_size, dtype = 16, torch.bfloat16
     blocks_per_seq = context // block_size
     num_blocks = batch * blocks_per_seq
     key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-    value_cache = torch.randn_like(key_cache)
-    shuffled = torch.randperm(num_blocks, device=device).reshape(batch, blocks_per_seq).to(torch.int32)
-    in_order = torch.arange(num_blocks, device=device).reshape(batch, blocks_per_seq).to(torch.int32)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     query = torch.randn(batch, num_heads, head_dim, dtype=dtype, device=device)
-    scale = head_dim**-0.5
-    paged = lambda: paged_decode_attention(query, key_cache, value_cache, shuffled, seq_lens, scale)  # noqa: E731
+    return {
+        "query": query, "key_cache": key_cache, "value_cache": torch.randn_like(key_cache),
+        "block_tables": torch.randperm(num_blocks, device=device).reshape(batch, blocks_per_seq).to(torch.int32),
+        "seq_lens": torch.full((batch,), context, dtype=torch.int32, device=device), "scale": head_dim**-0.5,
+        "bytes": 2 * key_cache.numel() * key_cache.element_size() + 2 * query.numel() * query.element_size(),
+    }
+
+
+def sdpa_contiguous(query: torch.Tensor, num_kv_heads: int, context: int):
+    """PyTorch SDPA for the same queries over a contiguous cache (B, Hkv, L, D), the layout its fused kernels
+    want: the figure paging should reach. Returns the call."""
+    import torch.nn.functional as F
+
+    batch, _, head_dim = query.shape
+    k = torch.randn(batch, num_kv_heads, context, head_dim, dtype=query.dtype, device=query.device)
+    v = torch.randn_like(k)
+    q = query[:, :, None, :]  # (B, Hq, 1, D)
+    return lambda: F.scaled_dot_product_attention(q, k, v, scale=head_dim**-0.5, enable_gqa=True)
+
+
+def gpu_case(batch: int, context: int, num_heads: int, num_kv_heads: int, head_dim: int) -> dict[str, float]:
+    """Seconds for each variant at one shape (graph replay and eager), and the bytes a decode step must move."""
+    from kernels import paged_decode_attention
+
+    args = decode_inputs(batch, context, num_heads, num_kv_heads, head_dim)
+    nbytes = args.pop("bytes")
+    in_order = torch.arange(args["block_tables"].numel(), device="cuda").reshape(batch, -1).to(torch.int32)
+    paged = lambda: paged_decode_attention(**args)  # noqa: E731
     times = {
         "paged_graph": gpu_time(as_cuda_graph(paged)),
         "paged_eager": gpu_time(paged),
-        "in_order_graph": gpu_time(as_cuda_graph(
-            lambda: paged_decode_attention(query, key_cache, value_cache, in_order, seq_lens, scale))),
+        "in_order_graph": gpu_time(as_cuda_graph(lambda: paged_decode_attention(**args | {"block_tables": in_order}))),
     }
-    del key_cache, value_cache
-    # contiguous KV for SDPA: (B, Hkv, L, D), the layout its fused kernels want
-    k = torch.randn(batch, num_kv_heads, context, head_dim, dtype=dtype, device=device)
-    v = torch.randn_like(k)
-    q = query[:, :, None, :]  # (B, Hq, 1, D)
-    sdpa = lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)  # noqa: E731
+    query = args["query"]
+    del args  # the paged cache, before the contiguous one is made
+    sdpa = sdpa_contiguous(query, num_kv_heads, context)
     times["sdpa_graph"], times["sdpa_eager"] = gpu_time(as_cuda_graph(sdpa)), gpu_time(sdpa)
-    times["bytes"] = 2 * k.numel() * k.element_size() + 2 * query.numel() * query.element_size()
+    times["bytes"] = nbytes
     return times
 
 
@@ -270,25 +286,15 @@ def gpu_sweep(path: str) -> None:
     CUDA-graph replay with the L2 flushed; one JSON line per grid point, appended to `path` as it is measured."""
     import json
 
-    import torch.nn.functional as F
-
     from kernels import paged_decode_attention
 
     copy = gpu_copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy:.0f} GB/s", flush=True)
-    block_size, dtype = 16, torch.bfloat16
     for shape, (hq, hkv, d) in HEAD_SHAPES.items():
         for batch in BATCHES:
             for context in CONTEXTS:
-                blocks_per_seq = context // block_size
-                num_blocks = batch * blocks_per_seq
-                key_cache = torch.randn(num_blocks, block_size, hkv, d, dtype=dtype, device="cuda")
-                value_cache = torch.randn_like(key_cache)
-                table = torch.randperm(num_blocks, device="cuda").reshape(batch, blocks_per_seq).to(torch.int32)
-                seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-                query = torch.randn(batch, hq, d, dtype=dtype, device="cuda")
-                scale = d**-0.5
-                nbytes = 2 * key_cache.numel() * 2 + 2 * query.numel() * 2
+                args = decode_inputs(batch, context, hq, hkv, d)
+                nbytes = args.pop("bytes")
                 record = {"shape": shape, "batch": batch, "context": context, "bytes": nbytes, "copy_gbs": copy,
                           "launches": []}
                 for splits in SWEEP_SPLITS:
@@ -297,21 +303,18 @@ def gpu_sweep(path: str) -> None:
                     for tile_n in SWEEP_TILES:
                         for warps in SWEEP_WARPS:
                             fn = lambda: paged_decode_attention(  # noqa: E731
-                                query, key_cache, value_cache, table, seq_lens, scale, num_splits=splits,
-                                tile_n=tile_n, num_warps=warps)
+                                **args, num_splits=splits, tile_n=tile_n, num_warps=warps)
                             seconds = gpu_time(as_cuda_graph(fn), reps=10)
                             record["launches"].append([splits, tile_n, warps, seconds])
-                default = lambda: paged_decode_attention(query, key_cache, value_cache, table, seq_lens, scale)  # noqa: E731
+                default = lambda: paged_decode_attention(**args)  # noqa: E731
                 record["default_graph"] = gpu_time(as_cuda_graph(default), reps=10)
                 record["default_eager"] = gpu_time(default, reps=10)
-                del key_cache, value_cache
-                k = torch.randn(batch, hkv, context, d, dtype=dtype, device="cuda")
-                v = torch.randn_like(k)
-                q = query[:, :, None, :]
-                sdpa = lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)  # noqa: E731
+                query = args["query"]
+                del args, default, fn  # the paged cache, before the contiguous one is made
+                sdpa = sdpa_contiguous(query, hkv, context)
                 record["sdpa_graph"] = gpu_time(as_cuda_graph(sdpa), reps=10)
                 record["sdpa_eager"] = gpu_time(sdpa, reps=10)
-                del k, v
+                del sdpa
                 torch.cuda.empty_cache()
                 best = min(record["launches"], key=lambda r: r[3])
                 print(f"{shape} {batch}x{context}: best {best[:3]} {nbytes / best[3] / 1e9 / copy:.0%}, default graph "

@@ -274,8 +274,9 @@ def paged_decode_attention(
     """query (num_seqs, Hq, D), one token per sequence, attends to its `seq_lens[b]` cached tokens -> (num_seqs, Hq, D).
 
     `num_splits=None` lets `choose_num_splits` decide; 1 launches the single-pass kernel, more the split
-    kernel and the merge. `tile_n` and `num_warps` (None: `choose_tile`'s) override the launch, for sweeps. The `*_kernel` arguments are the Triton kernels to launch: None means this module's
-    kernel of that name, looked up at call time (chapter 6 passes the learner's, or its capstone puts them here).
+    kernel and the merge. `tile_n` and `num_warps` (None: `choose_tile`'s) override the launch, for sweeps. The
+    `*_kernel` arguments are the Triton kernels to launch: None means this module's kernel of that name, looked
+    up at call time (chapter 6 passes the learner's, or its capstone puts them here).
     Every entry of seq_lens must be at least 1 and at most max_blocks * block_size (not checked: it would
     cost a device-to-host copy per call).
     """
