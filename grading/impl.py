@@ -51,26 +51,45 @@ class Implementation:
 
 
 def _reported(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn`, with its failures attributed to exercise `name`.
+    """`fn`, with its failures attributed to exercise `name` (for a coroutine function, those raised while it
+    is awaited).
 
     A stub's NotImplementedError becomes an ExerciseError saying so. Any other exception keeps its type (a
     test may expect a ValueError) and gains a note naming the exercise and the input it failed on.
     """
 
+    def attributed(error: Exception, args: tuple, kwargs: dict) -> Exception:
+        if isinstance(error, NotImplementedError):
+            return ExerciseError(f"exercise `{name}` is not implemented yet ({error or 'see its hint'})")
+        if not isinstance(error, AssertionError) and not getattr(error, "_attributed", False):
+            inputs = ", ".join([describe(a) for a in args] + [f"{k}={describe(v)}" for k, v in kwargs.items()])
+            error.add_note(f"exercise `{name}` raised {type(error).__name__}\n  on input: ({inputs})")
+            error._attributed = True  # nested exercise calls add no second note
+        return error
+
+    if inspect.iscoroutinefunction(fn):
+
+        @functools.wraps(fn)
+        async def call_async(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return await fn(*args, **kwargs)
+            except Exception as error:
+                reported = attributed(error, args, kwargs)
+                if reported is error:
+                    raise
+                raise reported from None
+
+        return call_async
+
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except NotImplementedError as error:
-            raise ExerciseError(f"exercise `{name}` is not implemented yet ({error or 'see its hint'})") from None
-        except AssertionError:
-            raise
         except Exception as error:
-            if not getattr(error, "_attributed", False):
-                inputs = ", ".join([describe(a) for a in args] + [f"{k}={describe(v)}" for k, v in kwargs.items()])
-                error.add_note(f"exercise `{name}` raised {type(error).__name__}\n  on input: ({inputs})")
-                error._attributed = True  # nested exercise calls add no second note
-            raise
+            reported = attributed(error, args, kwargs)
+            if reported is error:
+                raise
+            raise reported from None
 
     return call
 

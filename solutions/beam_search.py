@@ -29,6 +29,7 @@ import torch
 
 from solutions.core.kv_cache_manager import KVCacheManager
 from solutions.core.sched.output import SchedulerOutput
+from solutions.core.sched.scheduler import advance_computed_tokens
 from solutions.core.sequence import Sequence
 from solutions.outputs import FinishReason
 
@@ -139,9 +140,9 @@ def run_beam_search(
 ) -> list[list[BeamSearchSequence]]:
     """Beam search for every prompt at once, one forward pass per step for all live beams of all prompts.
 
-    Drives `manager` and `model_runner` directly (no scheduler): each step allocates slots for every live beam
-    (its prompt at the first step, with prefix hits; then its newest token), gathers the copy-on-write copies
-    and runs one forward pass. `on_step(manager, beams)` is called after each step's allocation (for memory
+    Drives `manager` and `model_runner` directly, as its own small scheduler: each step allocates slots for
+    every live beam (its prompt at the first step, with prefix hits; then its newest token), gathers the
+    copy-on-write copies, advances the beams' computed tokens as the scheduler does, and runs one forward pass. `on_step(manager, beams)` is called after each step's allocation (for memory
     measurements). Returns, per prompt, its beams best first (text not filled in). Raises ValueError if the
     KV cache cannot hold the beams.
     """
@@ -166,10 +167,11 @@ def run_beam_search(
                         f"the KV cache ({manager.num_blocks} blocks of {manager.block_size}) cannot hold "
                         f"{len(batch)} beams; raise num_kv_blocks or lower beam_width"
                     )
-                seq.num_computed_tokens += num_cached
                 scheduler_output.scheduled_seqs.append(seq)
                 scheduler_output.num_scheduled_tokens.append(num_new)
+                scheduler_output.num_computed_tokens.append(seq.num_computed_tokens + num_cached)  # after the hits
                 scheduler_output.blocks_to_copy.extend(copies)
+            advance_computed_tokens(scheduler_output)
             if on_step is not None:
                 on_step(manager, batch)
             logits = model_runner.execute_model(scheduler_output)  # (B, V)

@@ -12,6 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from solutions.attention.paged import KVCache
+from solutions.baselines.reserving_kv_cache_manager import reservation_policy
 from solutions.beam_search import BeamSearchOutput, BeamSearchParams
 from solutions.core.block_manager import cdiv
 from solutions.core.sched.request_queue import SchedulingPolicy
@@ -73,6 +74,10 @@ class LLM:
     where the weights, the KV cache and the activations live. With `attention_backend="triton"` on a GPU the
     kernels compile natively and pure-decode steps replay CUDA graphs, one per batch-size bucket, unless
     `enforce_eager=True` (the torch backend always runs eagerly; so does everything on the CPU).
+
+    `kv_reservation` ("max", "pow2", "oracle") turns the engine into chapter 2's Orca baselines for comparisons:
+    each request is admitted only with blocks for its whole reserved length, taken at once
+    (`solutions/baselines/reserving_kv_cache_manager.py`). None, the default, is paged allocation.
     """
 
     def __init__(
@@ -92,6 +97,7 @@ class LLM:
         device: str = "cpu",
         dtype: str = "float32",
         enforce_eager: bool = False,
+        kv_reservation: str | None = None,
     ) -> None:
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
@@ -113,6 +119,8 @@ class LLM:
             _positive_int("max_model_len", max_model_len)
         if not isinstance(enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {enforce_eager!r}")
+        if kv_reservation is not None:
+            reservation_policy(kv_reservation)  # ValueError naming the field, before the model loads
         self.device, self.dtype = resolve_device_and_dtype(device, dtype)
         if attention_backend == "triton" and self.device.type == "cpu":
             import kernels
@@ -145,6 +153,7 @@ class LLM:
             attention_backend=attention_backend,
             seed=seed,
             enforce_eager=enforce_eager,
+            kv_reservation=kv_reservation,
         )
         self._request_counter = 0
 

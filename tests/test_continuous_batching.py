@@ -193,6 +193,27 @@ def test_abort_in_every_state_frees_everything(state):
     assert [len(outputs[r]) for r in others] == [30, 30], "the others finish normally"
 
 
+def test_samples_of_n_count_against_max_num_seqs_from_admission():
+    """The scheduler forks an `n > 1` request's samples when its prompt is computed, inside `schedule()`: the
+    running set never changes after a step is scheduled, and never holds more than `max_num_seqs`."""
+    llm = LLM(model=str(tiny_checkpoint("llama-gqa")), block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    engine = llm.llm_engine
+    engine.add_request("n3", list(range(10, 19)), SamplingParams(n=3, temperature=0.0, max_tokens=5, ignore_eos=True))
+    for i in range(3):
+        engine.add_request(f"r{i}", [3 + i, 4, 5], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    running, tokens = [], {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            for completion in output.outputs:
+                tokens.setdefault((output.request_id, completion.index), []).extend(completion.token_ids)
+        running.append(len(engine.scheduler.running))
+    assert max(running) <= 4, f"running sequences per step: {running}"
+    assert running[0] == 4, "n3 (3 seats) and r0 start together; r1 and r2 wait for a seat"
+    assert sorted(tokens) == [("n3", 0), ("n3", 1), ("n3", 2), ("r0", 0), ("r1", 0), ("r2", 0)]
+    assert all(len(t) == 5 for t in tokens.values()) and tokens[("n3", 0)] == tokens[("n3", 1)] == tokens[("n3", 2)]
+    assert engine.kv_cache_manager.num_used_blocks == 0
+
+
 @pytest.mark.parametrize(
     "prompt,params,message",
     [
@@ -206,6 +227,7 @@ def test_abort_in_every_state_frees_everything(state):
         ([1, 2], {"min_p": 1.5}, "SamplingParams.min_p must be in [0, 1], got 1.5"),
         ([1, 2], {"min_p": -0.5}, "SamplingParams.min_p must be in [0, 1], got -0.5"),
         ([1, 2], {"n": 0}, "SamplingParams.n must be an int >= 1, got 0"),
+        ([1, 2], {"n": 65}, "n=65 of request 'bad' exceeds max_num_seqs=64"),
     ],
 )
 def test_bad_input_is_named_and_requests_in_flight_finish(prompt, params, message):

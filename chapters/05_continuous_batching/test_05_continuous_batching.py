@@ -71,10 +71,9 @@ def batch(out: SchedulerOutput) -> list[tuple[int, int]]:
 
 
 def run_batch(out: SchedulerOutput, sched=None) -> None:
-    """What the model runner does to the scheduler's state: the scheduled tokens are now computed. With
-    `sched`, a prompt now fully computed finishes at once (as if it had `max_tokens=0`): nothing is sampled."""
-    for seq, n in zip(out.scheduled_seqs, out.num_scheduled_tokens, strict=True):
-        seq.num_computed_tokens += n
+    """After the forward pass (`schedule()` has already advanced the computed tokens): with `sched`, a prompt
+    now fully computed finishes at once (as if it had `max_tokens=0`): nothing is sampled."""
+    for seq in out.scheduled_seqs:
         if sched is not None and seq.num_computed_tokens == seq.num_tokens:
             sched.finish(seq, SequenceStatus.FINISHED_LENGTH_CAPPED)
 
@@ -171,6 +170,38 @@ def test_schedule_admits_at_most_max_num_seqs(impl):
 
 
 @pytest.mark.exercise("Scheduler")
+def test_schedule_advances_the_computed_tokens_of_what_it_schedules(impl):
+    inputs = "budget 8; running: a decoding sequence (id 0, 5 of 6 tokens computed); waiting: a 12-token prompt (id 1)"
+    with exercising("Scheduler", inputs):
+        sched = make_scheduler(impl.Scheduler, budget=8)
+        decoder = decoding_seq(sched, 0, 5, 1)
+        prompt = waiting_seq(sched, 1, 12)
+        out = sched.schedule()
+    expect_equal(batch(out), [(0, 1), (1, 7)], inputs=f"{inputs}; (seq_id, tokens) scheduled")
+    expect_equal(out.num_computed_tokens, [5, 0], inputs=f"{inputs}; out.num_computed_tokens (where each one's new tokens start)")
+    expect_equal((decoder.num_computed_tokens, prompt.num_computed_tokens), (6, 7),
+                 inputs=f"{inputs}; num_computed_tokens of ids 0, 1 after schedule() — the scheduler is its one writer")
+
+
+@pytest.mark.exercise("Scheduler")
+def test_schedule_counts_the_samples_a_request_will_fork(impl):
+    inputs = ("max_num_seqs 4, budget 16; waiting: id 0, a 3-token prompt with n=3 (it will fork ids 10, 11), then "
+              "2-token prompts ids 1 and 2")
+    with exercising("Scheduler", inputs):
+        sched = make_scheduler(impl.Scheduler, max_num_seqs=4)
+        parent = waiting_seq(sched, 0, 3)
+        parent.fork_seq_ids = [10, 11]
+        waiting_seq(sched, 1, 2)
+        waiting_seq(sched, 2, 2)
+        out = sched.schedule()
+    expect_equal(batch(out), [(0, 3), (1, 2)], inputs=f"{inputs}; (seq_id, tokens) scheduled — id 0 takes 3 seats")
+    expect_equal({k: [s.seq_id for s in v] for k, v in out.forked_seqs.items()}, {0: [10, 11]},
+                 inputs=f"{inputs}; forked_seqs (id 0's prompt completes this step)")
+    expect_equal([s.seq_id for s in sched.running], [0, 1, 10, 11], inputs=f"{inputs}; running after the step")
+    expect_equal([s.seq_id for s in sched.waiting], [2], inputs=f"{inputs}; still waiting")
+
+
+@pytest.mark.exercise("Scheduler")
 def test_schedule_keeps_the_queue_order_when_memory_is_short(impl):
     inputs = "4 blocks of 4 slots; waiting: a 20-token prompt (id 0, needs 5 blocks), then a 2-token one (id 1)"
     with exercising("Scheduler", inputs):
@@ -242,7 +273,8 @@ def test_schedule_starts_an_admitted_prompt_at_its_cached_tokens(impl):
         out = sched.schedule()
     expect_equal(batch(out), [(1, 3)], inputs=f"{inputs}; (seq_id, tokens) scheduled — only the 3 tokens after the 2 cached blocks")
     expect_equal(out.num_cached_tokens, {1: 8}, inputs=f"{inputs}; num_cached_tokens")
-    expect_equal(second.num_computed_tokens, 8, inputs=f"{inputs}; num_computed_tokens of id 1 after schedule()")
+    expect_equal(out.num_computed_tokens, [8], inputs=f"{inputs}; out.num_computed_tokens (where id 1's new tokens start)")
+    expect_equal(second.num_computed_tokens, 11, inputs=f"{inputs}; num_computed_tokens of id 1 after schedule() (8 cached + 3 scheduled)")
     expect_equal(len(second.block_table), 3, inputs=f"{inputs}; blocks of id 1 (2 cached + 1 new; {cached_blocks})")
     expect_equal((out.num_prefill_tokens, out.num_decode_tokens), (3, 0), inputs=f"{inputs}; (prefill, decode) tokens")
 
@@ -260,10 +292,10 @@ def test_schedule_chunks_a_cached_prompt_from_its_cached_tokens(impl):
         steps = []
         for _ in range(3):
             out = sched.schedule()
-            steps.append((batch(out), [s.num_computed_tokens for s in out.scheduled_seqs]))
+            steps.append((batch(out), list(out.num_computed_tokens)))
             run_batch(out, sched)
     expect_equal(steps, [([(1, 2)], [8]), ([(1, 2)], [10]), ([(1, 1)], [12])],
-                 inputs=f"{inputs}; per step: (seq_id, tokens) scheduled and num_computed_tokens at schedule time")
+                 inputs=f"{inputs}; per step: (seq_id, tokens) scheduled and out.num_computed_tokens (where they start)")
 
 
 @pytest.mark.exercise("Scheduler")
@@ -280,7 +312,8 @@ def test_schedule_resumes_a_preempted_sequence_where_it_was(impl):
     expect_equal((out.resumed_seq_ids, out.new_seq_ids), ([0], [1]), inputs=f"{inputs}; (resumed_seq_ids, new_seq_ids)")
     expect_equal(out.num_cached_tokens, {0: 8, 1: 0}, inputs=f"{inputs}; num_cached_tokens")
     expect_equal((resumed.status, newcomer.status), (SequenceStatus.RUNNING, SequenceStatus.RUNNING), inputs=f"{inputs}; statuses")
-    expect_equal((resumed.num_computed_tokens, resumed.num_tokens), (8, 9), inputs=f"{inputs}; id 0's (computed, total) tokens")
+    expect_equal(out.num_computed_tokens, [8, 0], inputs=f"{inputs}; out.num_computed_tokens (where each one's new tokens start)")
+    expect_equal((resumed.num_computed_tokens, resumed.num_tokens), (9, 9), inputs=f"{inputs}; id 0's (computed, total) tokens after schedule()")
     expect_equal([s.seq_id for s in sched.running], [0, 1], inputs=f"{inputs}; running")
 
 
@@ -489,12 +522,23 @@ def test_prepare_inputs_per_sequence_metadata(impl):
 
 
 @pytest.mark.exercise("prepare_inputs")
+def test_prepare_inputs_starts_where_the_scheduler_output_says(impl):
+    step = mixed_step()
+    scheduler_module.advance_computed_tokens(step)  # as `schedule()` leaves them: already past this step's tokens
+    input_ids, positions, metadata = impl.prepare_inputs(step, 4)
+    inputs = f"{MIXED}, with the sequences already advanced by the scheduler (read the starts from scheduler_output.num_computed_tokens)"
+    expect_equal(positions.tolist(), [5, 4, 5, 6, 7, 0, 1, 2], inputs=f"{inputs}; positions")
+    expect_equal(input_ids.tolist(), [16, 24, 25, 26, 27, 40, 41, 42], inputs=f"{inputs}; input_ids")
+    expect_equal(metadata.slot_mapping.tolist(), [5, 8, 9, 10, 11, 24, 25, 26], inputs=f"{inputs}; slot_mapping")
+
+
+@pytest.mark.exercise("prepare_inputs")
 def test_prepare_inputs_changes_no_sequence(impl):
     step = mixed_step()
     impl.prepare_inputs(step, 4)
     state = [(s.num_computed_tokens, s.num_tokens, list(s.block_table)) for s in step.scheduled_seqs]
     expect_equal(state, [(5, 6, [3, 1]), (4, 10, [0, 2, 5]), (0, 3, [6])],
-                 inputs=f"{MIXED}; (num_computed_tokens, num_tokens, block_table) afterwards — the runner advances them, not prepare_inputs")
+                 inputs=f"{MIXED}; (num_computed_tokens, num_tokens, block_table) afterwards — the scheduler advances them, not prepare_inputs")
 
 
 # --- engine_step -------------------------------------------------------------------------------------------------
@@ -701,8 +745,8 @@ def record_schedules(engine) -> list[tuple[list[tuple[int, int, int, int]], list
 
     def recording():
         out = schedule()
-        scheduled = zip(out.scheduled_seqs, out.num_scheduled_tokens, strict=True)
-        steps.append(([(s.seq_id, n, s.num_computed_tokens, s.num_tokens) for s, n in scheduled], list(out.resumed_seq_ids)))
+        scheduled = zip(out.scheduled_seqs, out.num_scheduled_tokens, out.num_computed_tokens, strict=True)
+        steps.append(([(s.seq_id, n, start, s.num_tokens) for s, n, start in scheduled], list(out.resumed_seq_ids)))
         return out
 
     engine.scheduler.schedule = recording

@@ -36,18 +36,20 @@ class Sequence:
     - `block_table[i]` is the physical block holding logical block `i`, i.e. token positions
       `[i * block_size, (i + 1) * block_size)`; the block manager is the only writer.
     - `0 <= num_computed_tokens <= num_tokens`: the first `num_computed_tokens` tokens already have their K/V
-      in the cache (computed by a forward pass, or found there by prefix caching); the model runner advances
-      it, and preemption by recompute resets it to 0.
+      in the cache, or will have once this step's forward pass has run (computed, or found there by prefix
+      caching). The scheduler is its one writer: it advances it when it schedules the tokens, and preemption
+      by recompute resets it to 0.
     - `block_hashes[i]` is the prefix-cache hash of full block `i` (chapter 4); it only ever grows.
 
     `priority` (lower runs first) and `arrival` (the order requests came in; forks inherit their parent's) are
-    what the scheduler's policies sort by. A plain class with `__slots__` rather than a dataclass: the
+    what the scheduler's policies sort by. `fork_seq_ids` are the ids of the samples an `n > 1` request forks
+    from this sequence once its prompt is computed (the scheduler forks them; empty afterwards). A plain class with `__slots__` rather than a dataclass: the
     constructor takes the prompt, not the fields.
     """
 
     __slots__ = (
         "seq_id", "token_ids", "num_prompt_tokens", "status", "block_table", "num_computed_tokens", "block_hashes",
-        "priority", "arrival",
+        "priority", "arrival", "fork_seq_ids",
     )
 
     def __init__(self, seq_id: int, prompt_token_ids: list[int], *, priority: int = 0, arrival: int | None = None) -> None:
@@ -62,6 +64,7 @@ class Sequence:
         self.block_hashes: list[bytes] = []
         self.priority: int = priority
         self.arrival: int = seq_id if arrival is None else arrival
+        self.fork_seq_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

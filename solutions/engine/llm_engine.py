@@ -6,10 +6,11 @@
             ...
 
 A step (`engine_step`, at the bottom) is three stages, each owned by one object:
-    schedule     Scheduler.schedule()            which sequences compute how many tokens (and what is preempted)
+    schedule     Scheduler.schedule()            which sequences compute how many tokens (and what is preempted);
+                                                  advances their computed tokens, forks `n > 1` samples
     execute      ModelRunner.execute_model()      one forward pass over the flattened batch → logits
-    postprocess  pick each finished sequence's row, fork `n > 1` samples, sample, check stops, free the
-                 finished, detokenise (OutputProcessor)
+    postprocess  pick the rows of the sequences that sample, sample, check stops, free the finished,
+                 detokenise (OutputProcessor)
 
 Where this lives in vLLM: `vllm/v1/engine/llm_engine.py` (`add_request`, `step`, `abort_request`), with the
 engine core's step in `vllm/v1/engine/core.py` (`EngineCore.step`) and `Scheduler.update_from_output`.
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from solutions.baselines.reserving_kv_cache_manager import ReservingKVCacheManager, reservation_policy
 from solutions.beam_search import BeamSearchParams, BeamSearchSequence, run_beam_search
 from solutions.core.kv_cache_manager import KVCacheManager
 from solutions.core.sched.output import SchedulerOutput
@@ -88,14 +90,22 @@ class LLMEngine:
         attention_backend: str = "torch",
         seed: int = 0,
         enforce_eager: bool = False,
+        kv_reservation: str | None = None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.block_size, self.max_model_len = block_size, max_model_len
         self.processor = Processor(
             tokenizer, vocab_size=model.config.vocab_size, max_model_len=max_model_len, num_blocks=num_kv_blocks,
-            block_size=block_size, seed=seed,
+            block_size=block_size, seed=seed, max_num_seqs=max_num_seqs,
         )
-        self.kv_cache_manager = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
+        self.kv_reservation = kv_reservation  # None: paged; "max" / "pow2" / "oracle": Orca's whole-length admission
+        if kv_reservation is None:
+            self.kv_cache_manager = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
+        else:
+            self.kv_cache_manager = ReservingKVCacheManager(
+                num_kv_blocks, block_size, enable_prefix_caching, policy=reservation_policy(kv_reservation),
+                max_model_len=max_model_len,
+            )
         self.scheduler = Scheduler(
             self.kv_cache_manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             long_prefill_token_threshold=long_prefill_token_threshold, policy=scheduling_policy,
@@ -133,6 +143,9 @@ class LLMEngine:
             raise ValueError(f"request_id {request.request_id!r} is already in use by an unfinished request")
         state = RequestState(request, self.tokenizer)
         seq = Sequence(next(self._seq_ids), request.prompt_token_ids, priority=request.priority, arrival=request.arrival)
+        seq.fork_seq_ids = [next(self._seq_ids) for _ in range(request.params.n - 1)]  # forked once the prompt is in
+        if self.kv_reservation is not None:  # the reservation is sized from the request's max_tokens
+            self.kv_cache_manager.reserve(seq, request.params.max_tokens, request.params.n)
         request.seqs.append(seq)
         self.requests[request.request_id] = state
         self._owner[seq.seq_id] = (state, 0)
@@ -186,6 +199,11 @@ class LLMEngine:
         start = time.perf_counter()
         self._seconds = dict.fromkeys(STEP_STAGES, 0.0)  # a step starts here
         scheduler_output = self.scheduler.schedule()
+        for parent_id, samples in scheduler_output.forked_seqs.items():  # n > 1: the request's other samples
+            state, _ = self._owner[parent_id]
+            for sample in samples:
+                self._owner[sample.seq_id] = (state, len(state.request.seqs))
+                state.request.seqs.append(sample)
         self._seconds["schedule"] += time.perf_counter() - start
         return scheduler_output
 
@@ -195,23 +213,6 @@ class LLMEngine:
         if scheduler_output.scheduled_seqs:
             return self.model_runner.execute_model(scheduler_output, self._seconds)  # (B, V)
         return torch.empty(0, self.model.config.vocab_size)  # (0, V)
-
-    def fork_samples(self, seq: Sequence) -> list[Sequence]:
-        """The sequences that sample from `seq`'s logits row this step: `seq` alone, or — the first time the
-        prompt of an `n > 1` request is complete — its n - 1 new siblings (sharing its blocks), then `seq`."""
-        start = time.perf_counter()
-        state, _ = self._owner[seq.seq_id]
-        seqs = []
-        if not state.request.forked:  # n > 1: the prompt is prefilled once, then shared by n samples
-            for _ in range(state.request.params.n - 1):
-                child = seq.fork(next(self._seq_ids))
-                self.kv_cache_manager.fork(seq, child)
-                self.scheduler.add_running(child)
-                self._owner[child.seq_id] = (state, len(state.request.seqs))
-                state.request.seqs.append(child)
-                seqs.append(child)
-        self._seconds["postprocess"] += time.perf_counter() - start
-        return [*seqs, seq]
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """Stage 3a: one token per row of `logits` (N, V), row i for `seqs[i]` with its request's parameters
@@ -281,8 +282,10 @@ def engine_step(engine: LLMEngine) -> list[RequestOutput]:
     """One engine step over one flattened batch: schedule → execute → sample → postprocess.
 
     The model returns one row of logits per scheduled sequence, at its last scheduled token. Only a sequence
-    whose tokens are now all computed samples from it: a prompt chunk that is not the last predicts nothing
-    anyone asked for. So the rows sampled are not simply the first ones — keep each sequence's own row.
+    whose tokens are all computed once this step has run samples from it (the scheduler has already advanced
+    `num_computed_tokens`): a prompt chunk that is not the last predicts nothing anyone asked for. So the rows
+    sampled are not simply the first ones — keep each sequence's own row. The samples the scheduler forked
+    from a sequence this step (`n > 1`) sample from its row too.
     """
     scheduler_output = engine.schedule()
     logits = engine.execute_model(scheduler_output)  # (B, V)
@@ -291,7 +294,7 @@ def engine_step(engine: LLMEngine) -> list[RequestOutput]:
     for row, seq in enumerate(scheduler_output.scheduled_seqs):
         if seq.num_computed_tokens < seq.num_tokens:
             continue  # a prompt chunk that is not the last: nothing to sample yet
-        for sample_seq in engine.fork_samples(seq):  # n > 1: the siblings share the row
+        for sample_seq in [*scheduler_output.forked_seqs.get(seq.seq_id, []), seq]:  # n > 1: they share the row
             rows.append(row)
             seqs.append(sample_seq)
     sampled = engine.sample(logits[rows], seqs)  # (N, V) -> N tokens (rows may repeat)

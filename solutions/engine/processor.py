@@ -20,8 +20,8 @@ from solutions.sampling_params import SamplingParams
 
 @dataclass
 class Request:
-    """One prompt and the sequences serving it: one per sample, once its prompt is prefilled (`n > 1` forks
-    the first sequence then). `generators[i]` draws sample i's tokens."""
+    """One prompt and the sequences serving it: one per sample, once its prompt is prefilled (for `n > 1` the
+    scheduler forks the first sequence then). `generators[i]` draws sample i's tokens."""
 
     request_id: str
     prompt: str | None
@@ -32,17 +32,14 @@ class Request:
     generators: list[torch.Generator]
     seqs: list[Sequence] = field(default_factory=list)
 
-    @property
-    def forked(self) -> bool:
-        return len(self.seqs) == self.params.n
-
 
 class Processor:
     def __init__(
         self, tokenizer: PreTrainedTokenizerBase | None, *, vocab_size: int, max_model_len: int, num_blocks: int,
-        block_size: int, seed: int,
+        block_size: int, seed: int, max_num_seqs: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.max_num_seqs = max_num_seqs  # an n > 1 request runs its n samples at once: n may not exceed it
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.num_blocks, self.block_size, self.seed = num_blocks, block_size, seed
 
@@ -79,6 +76,11 @@ class Processor:
             raise ValueError(
                 f"request {request_id!r} could need {num_blocks_needed} KV blocks for one sequence, more than "
                 f"num_kv_blocks={self.num_blocks}; lower max_tokens or raise num_kv_blocks"
+            )
+        if self.max_num_seqs is not None and params.n > self.max_num_seqs:
+            raise ValueError(
+                f"n={params.n} of request {request_id!r} exceeds max_num_seqs={self.max_num_seqs}: its samples run "
+                "at once; lower n or raise max_num_seqs"
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer, and this model folder has none; use stop_token_ids")

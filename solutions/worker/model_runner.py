@@ -3,7 +3,8 @@
 The step's tokens — whole prompts, prompt chunks and single decode tokens alike — are concatenated into one
 flat batch of T tokens, with per-token metadata (position, cache slot) and per-sequence metadata (where its
 rows start, its context length, its block table). No padding to the longest sequence: every row is a real
-token. For sequence b the new tokens are `token_ids[num_computed_tokens : num_computed_tokens + n_b]`.
+token. For sequence b the new tokens are `token_ids[c_b : c_b + n_b]`, where `c_b` is the step's
+`num_computed_tokens[b]`: where they start, kept by the scheduler, which has already advanced the sequence.
 
 The metadata is built on the host; `execute_model` runs where the model's weights are (CPU or GPU, in their
 dtype): the KV cache is allocated there, token ids and positions are copied there, and the attention backend
@@ -35,8 +36,11 @@ def prepare_inputs(
     slots: list[int] = []
     query_start_loc = [0]
     seq_lens = []
-    for seq, num_new in zip(scheduler_output.scheduled_seqs, scheduler_output.num_scheduled_tokens, strict=True):
-        start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+    for seq, start, num_new in zip(
+        scheduler_output.scheduled_seqs, scheduler_output.num_computed_tokens, scheduler_output.num_scheduled_tokens,
+        strict=True,
+    ):
+        end = start + num_new
         input_ids += seq.token_ids[start:end]
         positions += range(start, end)
         slots += slot_mapping(seq.block_table, start, end, block_size)
@@ -86,7 +90,7 @@ class ModelRunner:
         """Apply the step's copy-on-write copies, write the new tokens' K/V, and return the logits (B, V) at each
         scheduled sequence's last scheduled token (meaningless for a prompt chunk that is not the last).
 
-        Advances every scheduled sequence's `num_computed_tokens` by its scheduled tokens. `seconds`, the engine's
+        Changes no sequence (the scheduler advanced them when it scheduled the step). `seconds`, the engine's
         ledger for this step, gets the time spent preparing the inputs ("prepare") and in the model ("forward").
         """
         start = time.perf_counter()
@@ -102,8 +106,6 @@ class ModelRunner:
             prepared = time.perf_counter()
             hidden = self.model(input_ids, positions, backend)  # (T, D_model)
         last_rows = metadata.query_start_loc[1:] - 1  # (B,) row of each sequence's last new token
-        for seq, num_new in zip(scheduler_output.scheduled_seqs, scheduler_output.num_scheduled_tokens, strict=True):
-            seq.num_computed_tokens += num_new
         logits = self.model.compute_logits(hidden[last_rows])  # (B, V)
         if seconds is not None:
             seconds["prepare"] += prepared - start

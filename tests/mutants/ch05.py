@@ -53,8 +53,11 @@ class _Template(Scheduler):
         seq.status = SequenceStatus.RUNNING
         seq.num_computed_tokens = num_cached
 
+    def _has_room(self, seq):
+        return self.can_admit(seq)
+
     def _admit(self, out, copies, budget):
-        while not out.preempted_seq_ids and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while not out.preempted_seq_ids and self.waiting and budget > 0 and self._has_room(self.waiting.peek()):
             seq = self.waiting.peek()
             computed_blocks, num_cached = self._lookup(seq)
             num_new_tokens = self._num_new_admitted(seq, num_cached, budget)
@@ -74,7 +77,23 @@ class _Template(Scheduler):
         budget = self._running_first(out, copies, self.max_num_batched_tokens)
         self._admit(out, copies, budget)
         out.blocks_to_copy = [c for seq in out.scheduled_seqs for c in copies.get(seq.seq_id, [])]
+        self._update_after_schedule(out)
         return out
+
+
+class NeverAdvancesTheBatch(_Template):
+    """Returns the batch without advancing its sequences' computed tokens (leaves it to the model runner, as
+    the engine once did): the next `schedule()` sees the same tokens still behind."""
+
+    def _update_after_schedule(self, out):
+        pass
+
+
+class CountsOnlyRunningSequences(_Template):
+    """Admits while fewer than `max_num_seqs` run, forgetting the samples an `n > 1` request will fork."""
+
+    def _has_room(self, seq):
+        return len(self.running) < self.max_num_seqs
 
 
 class IgnoresTheBudget(_Template):
@@ -106,6 +125,7 @@ class StarvesRunning(_Template):
             self._add_to_batch(out, seq, num_new_tokens, seq_copies, copies)
             budget -= num_new_tokens
         out.blocks_to_copy = [c for seq in out.scheduled_seqs for c in copies.get(seq.seq_id, [])]
+        self._update_after_schedule(out)
         return out
 
 
@@ -294,10 +314,12 @@ def allocate_or_preempt_runs_past_itself(
 
 
 def _prepare(scheduler_output: SchedulerOutput, block_size: int, *, position_start, seq_len, slot_start=None,
-             query_end=None):
+             query_end=None, start_of=None):
     input_ids, positions, slots, query_start_loc, seq_lens = [], [], [], [0], []
-    for seq, num_new in zip(scheduler_output.scheduled_seqs, scheduler_output.num_scheduled_tokens, strict=True):
-        start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+    for seq, start, num_new in zip(scheduler_output.scheduled_seqs, scheduler_output.num_computed_tokens,
+                                   scheduler_output.num_scheduled_tokens, strict=True):
+        start = start if start_of is None else start_of(seq)
+        end = start + num_new
         input_ids += seq.token_ids[start:end]
         positions += range(position_start(start), position_start(start) + num_new)
         first_slot = start if slot_start is None else slot_start(start)
@@ -311,6 +333,15 @@ def _prepare(scheduler_output: SchedulerOutput, block_size: int, *, position_sta
         block_tables=[seq.block_table for seq in scheduler_output.scheduled_seqs],
     )
     return torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), metadata
+
+
+def prepare_inputs_reads_the_sequences(
+    scheduler_output: SchedulerOutput, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Starts each sequence at its own `num_computed_tokens`, which the scheduler has already advanced past
+    this step's tokens: right only before `schedule()` returns."""
+    return _prepare(scheduler_output, block_size, position_start=lambda start: start, seq_len=lambda end, n: end,
+                    start_of=lambda seq: seq.num_computed_tokens)
 
 
 def prepare_inputs_chunk_positions_from_zero(
@@ -370,7 +401,7 @@ def engine_step_samples_the_wrong_rows(engine: LLMEngine) -> list[RequestOutput]
     for seq in scheduler_output.scheduled_seqs:
         if seq.num_computed_tokens < seq.num_tokens:
             continue
-        seqs += engine.fork_samples(seq)
+        seqs += [*scheduler_output.forked_seqs.get(seq.seq_id, []), seq]
     rows = [min(i, logits.shape[0] - 1) for i in range(len(seqs))]
     return engine.update_from_output(scheduler_output, seqs, engine.sample(logits[rows], seqs))
 
@@ -381,7 +412,7 @@ def engine_step_samples_prompt_chunks(engine: LLMEngine) -> list[RequestOutput]:
     logits = engine.execute_model(scheduler_output)
     rows, seqs = [], []
     for row, seq in enumerate(scheduler_output.scheduled_seqs):
-        for sample_seq in engine.fork_samples(seq):
+        for sample_seq in [*scheduler_output.forked_seqs.get(seq.seq_id, []), seq]:
             rows.append(row)
             seqs.append(sample_seq)
     return engine.update_from_output(scheduler_output, seqs, engine.sample(logits[rows], seqs))
@@ -402,7 +433,7 @@ def engine_step_samples_then_drops_chunks(engine: LLMEngine) -> list[RequestOutp
 
 
 def engine_step_never_forks(engine: LLMEngine) -> list[RequestOutput]:
-    """Ignores `n`: one sample per request, so an `n > 1` request never completes."""
+    """Ignores the samples the scheduler forked: one sample per request, so an `n > 1` request never completes."""
     scheduler_output = engine.schedule()
     logits = engine.execute_model(scheduler_output)
     rows, seqs = [], []
@@ -474,6 +505,8 @@ MUTANTS = {
     "schedule_counts_resumed_as_new": {"Scheduler": CountsResumedAsNew},
     "schedule_leaves_resumed_preempted": {"Scheduler": LeavesResumedPreempted},
     "schedule_resumes_from_zero": {"Scheduler": ResumesFromZero},
+    "schedule_never_advances_the_batch": {"Scheduler": NeverAdvancesTheBatch},
+    "schedule_counts_only_running_sequences": {"Scheduler": CountsOnlyRunningSequences},
     "allocate_or_preempt_picks_the_first": {"allocate_or_preempt": allocate_or_preempt_picks_the_first},
     "allocate_or_preempt_priority_picks_the_smallest": {"allocate_or_preempt": allocate_or_preempt_priority_picks_the_smallest},
     "allocate_or_preempt_priority_ties_to_the_oldest": {"allocate_or_preempt": allocate_or_preempt_priority_ties_to_the_oldest},
@@ -481,6 +514,7 @@ MUTANTS = {
     "allocate_or_preempt_keeps_the_victim_scheduled": {"allocate_or_preempt": allocate_or_preempt_keeps_the_victim_scheduled},
     "allocate_or_preempt_only_once": {"allocate_or_preempt": allocate_or_preempt_only_once},
     "allocate_or_preempt_runs_past_itself": {"allocate_or_preempt": allocate_or_preempt_runs_past_itself},
+    "prepare_inputs_reads_the_sequences": {"prepare_inputs": prepare_inputs_reads_the_sequences},
     "prepare_inputs_chunk_positions_from_zero": {"prepare_inputs": prepare_inputs_chunk_positions_from_zero},
     "prepare_inputs_seq_lens_are_query_lens": {"prepare_inputs": prepare_inputs_seq_lens_are_query_lens},
     "prepare_inputs_last_token_only": {"prepare_inputs": prepare_inputs_last_token_only},

@@ -15,6 +15,12 @@ queue; its tokens are kept, so it resumes exactly where it was (prefix caching u
 still there). It repeats until the allocation succeeds or the victim is the sequence itself. No waiting
 sequence is admitted in a step that preempted.
 
+The scheduler is the one writer of a sequence's progress. When the batch is decided, `_update_after_schedule`
+advances every scheduled sequence's `num_computed_tokens` past its scheduled tokens (the step's
+`SchedulerOutput` keeps where they start), and forks the samples of an `n > 1` request whose prompt this step
+completes: they share its blocks and sample from its logits row. So the batch and the running set never change
+after `schedule()` returns, and `max_num_seqs` counts those samples from the moment their request is admitted.
+
 The module is split so that each idea can be read (and, in chapter 5, written) on its own: `SchedulerBase`
 holds the queues and the bookkeeping (`_preempt_request` among it), `allocate_or_preempt` is the decision to
 preempt, and `Scheduler` adds the one method that decides a step, `schedule`.
@@ -32,9 +38,9 @@ from solutions.core.sequence import Sequence, SequenceStatus
 class SchedulerBase:
     """Owns the waiting queue and the running list, and the helpers `schedule()` is written with.
 
-    Invariants: a sequence is in exactly one of `waiting`, `running` or neither (finished); every running
-    sequence holds blocks for at least its computed tokens; no sequence is admitted while
-    `len(running) >= max_num_seqs`.
+    Invariants: a sequence is in exactly one of `waiting`, `running` or neither (finished, or a sample not yet
+    forked); every running sequence holds blocks for at least its computed tokens; the running sequences and the
+    samples they will fork never number more than `max_num_seqs`.
     """
 
     def __init__(
@@ -59,10 +65,15 @@ class SchedulerBase:
         self.waiting.add(seq)
 
     def add_running(self, seq: Sequence) -> None:
-        """A sample forked from a running sequence starts running beside it (it may take the batch past
-        `max_num_seqs` by the request's `n - 1` until some finish)."""
+        """Start `seq` running as it is (its blocks and computed tokens already set up): a forked sample, or a
+        test's or a chapter's hand-made running sequence."""
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+
+    def can_admit(self, seq: Sequence) -> bool:
+        """Is there room in the running set for waiting `seq` and the samples it will fork?"""
+        seats = sum(1 + len(s.fork_seq_ids) for s in self.running)
+        return seats + 1 + len(seq.fork_seq_ids) <= self.max_num_seqs
 
     def has_unfinished_seqs(self) -> bool:
         return bool(self.waiting) or bool(self.running)
@@ -93,6 +104,7 @@ class SchedulerBase:
         """Put `seq` into the step's batch with `num_new_tokens` tokens, and count them as prefill or decode."""
         out.scheduled_seqs.append(seq)
         out.num_scheduled_tokens.append(num_new_tokens)
+        out.num_computed_tokens.append(seq.num_computed_tokens)  # where its new tokens start
         copies[seq.seq_id] = seq_copies
         if _is_decode(seq, num_new_tokens):
             out.num_decode_tokens += 1
@@ -106,6 +118,7 @@ class SchedulerBase:
         position = out.scheduled_seqs.index(seq)
         num_tokens = out.num_scheduled_tokens.pop(position)
         out.scheduled_seqs.pop(position)
+        out.num_computed_tokens.pop(position)
         copies.pop(seq.seq_id, None)  # its copies' destinations are freed with the rest of its blocks
         if _is_decode(seq, num_tokens):
             out.num_decode_tokens -= 1
@@ -130,6 +143,30 @@ class SchedulerBase:
         self.waiting.prepend(seq)
         out.preempted_seq_ids.append(seq.seq_id)
         self.num_preemptions += 1
+
+    def _update_after_schedule(self, out: SchedulerOutput) -> None:
+        """The batch is decided: advance each scheduled sequence past its scheduled tokens — the one place a
+        step's progress is written — and fork the samples of each `n > 1` prompt this step completes. A
+        forked sample shares its parent's blocks, joins `out.forked_seqs[parent id]` and runs from the next step.
+        (vLLM: `Scheduler._update_after_schedule`; it forks `n > 1` at admission instead, `ParentRequest`.)"""
+        advance_computed_tokens(out)
+        for seq in out.scheduled_seqs:
+            if seq.fork_seq_ids and seq.num_computed_tokens == seq.num_tokens:
+                out.forked_seqs[seq.seq_id] = [self._fork(seq, child_id) for child_id in seq.fork_seq_ids]
+                seq.fork_seq_ids = []
+
+    def _fork(self, parent: Sequence, child_id: int) -> Sequence:
+        child = parent.fork(child_id)
+        self.kv_cache_manager.fork(parent, child)
+        self.add_running(child)
+        return child
+
+
+def advance_computed_tokens(out: SchedulerOutput) -> None:
+    """Each scheduled sequence's `num_computed_tokens` becomes where its new tokens start plus how many: the
+    one writer of a step's progress (the scheduler's, and beam search's, which schedules its beams itself)."""
+    for seq, start, num_new in zip(out.scheduled_seqs, out.num_computed_tokens, out.num_scheduled_tokens, strict=True):
+        seq.num_computed_tokens = start + num_new
 
 
 def _is_decode(seq: Sequence, num_new_tokens: int) -> bool:
@@ -185,7 +222,7 @@ class Scheduler(SchedulerBase):
 
         # Then waiting sequences, while there is budget, room in the batch and memory. None in a step that
         # preempted: the memory just freed is for the running sequences.
-        while not out.preempted_seq_ids and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while not out.preempted_seq_ids and self.waiting and budget > 0 and self.can_admit(self.waiting.peek()):
             seq = self.waiting.peek()
             computed_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(seq)
             num_new_tokens = min(seq.num_tokens - num_cached_tokens, budget, self.long_prefill_token_threshold)
@@ -202,4 +239,5 @@ class Scheduler(SchedulerBase):
             budget -= num_new_tokens
 
         out.blocks_to_copy = [copy for seq in out.scheduled_seqs for copy in copies.get(seq.seq_id, [])]
+        self._update_after_schedule(out)
         return out

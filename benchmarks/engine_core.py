@@ -1,0 +1,176 @@
+"""What it costs to run the engine core in its own loop: a process, a thread, or (baseline) no loop at all.
+
+    python -m benchmarks.engine_core            # 32 streaming requests, 64 prompt + 64 output tokens each
+    python -m benchmarks.engine_core --quick    # 8 requests, 16 output tokens: checks that it runs
+    python -m benchmarks.engine_core --json     # one JSON object (the table's figures)
+    python -m benchmarks.engine_core --threads 1   # torch intra-op threads, here and in the core's process
+
+The same seeded workload (SmolLM2-135M, fp32 on this machine's cores; prompts of random token ids, greedy,
+EOS ignored, every request present at once) through three paths, one after the other:
+
+- offline:  `LLMEngine.step()` in a plain loop, as `LLM.generate` runs it — no queues, no event loop;
+- process:  `AsyncLLM(engine_core="process")`, each request a streaming `generate` on one asyncio event loop;
+- thread:   `AsyncLLM(engine_core="thread")`, the same callers, the core in a thread of the same process.
+
+Each streaming caller does a server's per-output work: it formats an SSE chunk (`json.dumps`) for every output.
+Reported per path: engine step time (median, p90: the core's own `perf_counter` around `engine.step()`, sent in
+each step's stats), output tokens per second over the whole run, and for the two AsyncLLM paths the transfer
+time of a message (the core putting it on its queue → the front end's output thread reading it; pickling and the
+pipe in process mode) and how many outputs a request received (fewer than its tokens when the caller fell behind
+and DELTA outputs were merged). In thread mode the step time includes what the GIL costs the core: the event
+loop's Python work runs between the core's Python work, never beside it.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import numpy as np
+import torch
+
+MODEL = "smollm2-135m"
+ENGINE_ARGS = dict(max_num_seqs=64, max_model_len=512, seed=0)
+
+
+def make_workload(num_requests: int, prompt_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of random token ids, lengths within ±25% of `prompt_len` (ids below 100: SmolLM2's special tokens)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(prompt_len * 3 // 4, prompt_len * 5 // 4 + 1, num_requests)
+    return [rng.integers(100, vocab_size, n).tolist() for n in lengths]
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def run_offline(prompts: list[list[int]], params) -> dict:
+    """The engine's step loop with nothing around it (what `LLM.generate` does), each step timed."""
+    from solutions import LLM
+
+    engine = LLM(MODEL, **ENGINE_ARGS).llm_engine
+    engine.add_request("warmup", prompts[0][:8], type(params)(max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    step_seconds, num_tokens = [], 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        step_start = time.perf_counter()
+        outputs = engine.step()
+        step_seconds.append(time.perf_counter() - step_start)
+        num_tokens += sum(len(c.token_ids) for output in outputs for c in output.outputs)
+    return dict(path="offline", seconds=time.perf_counter() - start, tokens=num_tokens, step_seconds=step_seconds)
+
+
+class StepRecorder:
+    """A stat logger (beside the Prometheus one) that keeps the raw per-step and per-message figures."""
+
+    def __init__(self) -> None:
+        self.step_seconds: list[float] = []
+        self.transfer_seconds: list[float] = []
+
+    def record(self, scheduler_stats, iteration_stats) -> None:
+        if scheduler_stats is not None and scheduler_stats.step_seconds is not None:
+            self.step_seconds.append(scheduler_stats.step_seconds)
+        if iteration_stats is not None:
+            self.transfer_seconds.append(iteration_stats.transfer_seconds)
+
+
+async def workload_warmup(llm, prompt: list[int], params) -> None:
+    """One short request first: the first forward pass pays one-time costs (allocations, kernel selection)."""
+    async for _ in llm.generate(prompt, params, "warmup"):
+        pass
+
+
+def run_async(engine_core: str, prompts: list[list[int]], params) -> dict:
+    """All prompts as concurrent streaming `generate` calls on one event loop, each formatting SSE chunks."""
+    from solutions.engine.async_llm import AsyncLLM
+
+    async def stream(llm, prompt: list[int], request_id: str) -> tuple[int, int]:
+        num_outputs = num_tokens = num_bytes = 0
+        async for output in llm.generate(prompt, params, request_id):
+            completion = output.outputs[0]
+            chunk = {"id": request_id, "object": "text_completion", "choices": [
+                {"index": 0, "text": completion.text, "finish_reason": completion.finish_reason}]}
+            num_bytes += len(f"data: {json.dumps(chunk)}\n\n".encode())  # the server's per-output work
+            num_outputs, num_tokens = num_outputs + 1, num_tokens + len(completion.token_ids)
+        return num_outputs, num_tokens
+
+    async def workload(llm) -> list[tuple[int, int]]:
+        return await asyncio.gather(*(stream(llm, prompt, str(i)) for i, prompt in enumerate(prompts)))
+
+    with AsyncLLM(MODEL, engine_core=engine_core, **ENGINE_ARGS) as llm:
+        asyncio.run(workload_warmup(llm, prompts[0][:8], type(params)(max_tokens=2)))
+        recorder = StepRecorder()
+        llm.stat_loggers.append(recorder)
+        start = time.perf_counter()
+        results = asyncio.run(workload(llm))
+        seconds = time.perf_counter() - start
+    return dict(
+        path=engine_core, seconds=seconds, tokens=sum(t for _, t in results), step_seconds=recorder.step_seconds,
+        transfer_seconds=recorder.transfer_seconds, outputs_per_request=statistics.mean(n for n, _ in results),
+    )
+
+
+def summarise(run: dict, baseline: dict) -> dict:
+    steps = run["step_seconds"]
+    row = dict(
+        path=run["path"], steps=len(steps), step_ms_p50=1e3 * percentile(steps, 50),
+        step_ms_p90=1e3 * percentile(steps, 90), tokens_per_s=run["tokens"] / run["seconds"],
+    )
+    row["step_p50_vs_offline"] = row["step_ms_p50"] / (1e3 * percentile(baseline["step_seconds"], 50))
+    row["tokens_per_s_vs_offline"] = row["tokens_per_s"] / (baseline["tokens"] / baseline["seconds"])
+    if "transfer_seconds" in run:
+        row["transfer_ms_p50"] = 1e3 * percentile(run["transfer_seconds"], 50)
+        row["transfer_ms_p90"] = 1e3 * percentile(run["transfer_seconds"], 90)
+        row["outputs_per_request"] = run["outputs_per_request"]
+    return row
+
+
+def print_table(rows: list[dict], num_requests: int, prompt_len: int, max_tokens: int) -> None:
+    print(f"{num_requests} streaming requests, prompts ~{prompt_len} tokens, {max_tokens} output tokens, "
+          f"{MODEL} fp32, torch threads {torch.get_num_threads()}")
+    header = ("path", "steps", "step ms p50", "p90", "x offline", "tok/s", "x offline", "transfer ms p50", "p90",
+              "outputs/req")
+    print(" | ".join(f"{h:>12}" for h in header))
+    for r in rows:
+        cells = [r["path"], r["steps"], f"{r['step_ms_p50']:.1f}", f"{r['step_ms_p90']:.1f}",
+                 f"{r['step_p50_vs_offline']:.2f}", f"{r['tokens_per_s']:.0f}", f"{r['tokens_per_s_vs_offline']:.2f}",
+                 f"{r.get('transfer_ms_p50', float('nan')):.2f}", f"{r.get('transfer_ms_p90', float('nan')):.2f}",
+                 f"{r.get('outputs_per_request', float('nan')):.1f}"]
+        print(" | ".join(f"{c:>12}" for c in cells))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="8 requests, 16 output tokens")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--threads", type=int, help="torch threads for every path (default: torch's, one per core)")
+    args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read by torch when the spawned core process starts
+    from solutions import SamplingParams
+    from solutions.model.loader import load_tokenizer
+
+    num_requests, prompt_len, max_tokens = (8, 32, 16) if args.quick else (32, 64, 64)
+    prompts = make_workload(num_requests, prompt_len, len(load_tokenizer(MODEL)))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    baseline = run_offline(prompts, params)
+    runs = [baseline, run_async("process", prompts, params), run_async("thread", prompts, params)]
+    rows = [summarise(run, baseline) for run in runs]
+    if args.json:
+        print(json.dumps(dict(num_requests=num_requests, prompt_len=prompt_len, max_tokens=max_tokens, rows=rows)))
+    else:
+        print_table(rows, num_requests, prompt_len, max_tokens)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,289 @@
+"""`AsyncLLM`: the engine for a server — many callers at once, each streaming its own request's outputs.
+
+    llm = AsyncLLM("smollm2-135m")                      # the engine core starts in its own process
+    async for output in llm.generate("Once upon a time", SamplingParams(max_tokens=32), "req-1"):
+        print(output.outputs[0].text, end="")          # DELTA: only what is new since the last output
+    llm.shutdown()
+
+The pieces, and the path of one request:
+1. `generate` validates and tokenises in this process with a `Processor` (the engine's own checks and messages),
+   so a bad request raises ValueError at the generator's first `__anext__` and never reaches the core;
+2. it registers a `RequestOutputCollector` for the request, sends the request to the core
+   (`EngineCoreClient`: a process or a thread) and waits on the collector;
+3. one output thread reads the core's messages, one per step, feeds the stat loggers, and hands each output to
+   its request's collector on that request's event loop (`loop.call_soon_threadsafe`): the thread never touches
+   an event loop's objects directly, and no event loop ever waits on the core;
+4. the caller's `async for` wakes, gets the output, and ends after the one with `finished=True`.
+
+Backpressure: a collector holds one pending output. If the engine steps faster than a caller reads, the new
+DELTA output is merged into the pending one (texts and tokens concatenated), so a slow reader gets fewer, larger
+outputs and memory stays bounded per request, while the engine never waits for anybody.
+
+Cancellation: if the caller stops early — closes the generator, or its task is cancelled because a client
+disconnected — the generator's `finally` aborts the request in the core, which frees its blocks before its next
+step. If the core dies, every waiting caller gets `EngineDeadError`, and so does every later call.
+
+Where this lives in vLLM: `vllm/v1/engine/async_llm.py` (`AsyncLLM.generate`, `output_handler`, `abort`) and
+`vllm/v1/engine/output_processor.py` (`RequestOutputCollector`).
+"""
+
+import asyncio
+import inspect
+import threading
+import time
+import traceback
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from solutions.engine.core import EngineCoreOutputs, EngineCoreRequest, EngineDead
+from solutions.engine.core_client import ENGINE_CORE_KINDS, POLL_SECONDS, EngineCoreClient
+from solutions.engine.processor import Processor
+from solutions.llm import LLM
+from solutions.metrics.prometheus import PrometheusStatLogger
+from solutions.metrics.stats import IterationStats, RequestStateStats, SchedulerStats
+from solutions.model.loader import DEFAULT_MODEL, load_tokenizer
+from solutions.outputs import CompletionOutput, FinishReason, RequestOutput
+from solutions.sampling_params import SamplingParams
+
+LLM_KEYWORDS = tuple(name for name in inspect.signature(LLM).parameters if name != "model")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core has stopped (crashed, killed, or shut down): no request can be served any more."""
+
+
+class StatLogger(Protocol):
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None: ...
+
+
+class RequestOutputCollector:
+    """One request's mailbox between the output thread and the caller: at most one pending output (later DELTA
+    outputs are merged into it), or an error. `put`/`put_error` run on the event loop that `get` awaits on."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._output: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, output: RequestOutput) -> None:
+        if self._output is not None and self._output.finished:
+            return  # e.g. an abort that crossed the request's last output: the last output stands
+        self._output = output if self._output is None else merge_delta(self._output, output)
+        self._ready.set()
+
+    def put_error(self, error: BaseException) -> None:
+        self._error = error
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        """The pending output (outputs already received come before an error), waiting if there is none."""
+        while self._output is None and self._error is None:
+            self._ready.clear()
+            await self._ready.wait()
+        if self._output is None:
+            raise self._error
+        output, self._output = self._output, None
+        return output
+
+
+def merge_delta(pending: RequestOutput, new: RequestOutput) -> RequestOutput:
+    """Fold the DELTA output `new` into `pending` (not yet read): per sample, text, tokens and logprobs
+    concatenated; the finish state, cumulative logprob and cached-token count are `new`'s."""
+    by_index = {completion.index: completion for completion in pending.outputs}
+    for completion in new.outputs:
+        earlier = by_index.get(completion.index)
+        if earlier is None:
+            by_index[completion.index] = completion
+            continue
+        earlier.text += completion.text
+        earlier.token_ids = earlier.token_ids + completion.token_ids
+        if completion.logprobs is not None:
+            earlier.logprobs = (earlier.logprobs or []) + completion.logprobs
+        earlier.finish_reason, earlier.stop_reason = completion.finish_reason, completion.stop_reason
+        earlier.cumulative_logprob = completion.cumulative_logprob
+    pending.outputs = sorted(by_index.values(), key=lambda completion: completion.index)
+    pending.finished, pending.num_cached_tokens = new.finished, new.num_cached_tokens
+    return pending
+
+
+@dataclass(slots=True)
+class _LiveRequest:
+    """What the front end keeps for a request until its caller has read its last output."""
+
+    request_id: str
+    prompt: str | None  # the text prompt, put back into every output (the core only saw token ids)
+    prompt_token_ids: list[int]
+    num_samples: int  # params.n
+    collector: RequestOutputCollector
+    stats: RequestStateStats
+
+
+class AsyncLLM:
+    """An engine for concurrent streaming callers; `llm_kwargs` are `LLM`'s keywords, for the core's engine.
+
+    `engine_core="process"` runs the engine core in a child process, `"thread"` in a thread of this one (see
+    `solutions/engine/core_client.py` for what each costs). Use as a (async) context manager, or call `shutdown`.
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, *, engine_core: str = "process", **llm_kwargs: Any) -> None:
+        if engine_core not in ENGINE_CORE_KINDS:
+            raise ValueError(f"engine_core must be one of {ENGINE_CORE_KINDS}, got {engine_core!r}")
+        unknown = sorted(set(llm_kwargs) - set(LLM_KEYWORDS))
+        if unknown:
+            raise ValueError(f"unknown engine options {unknown}; the engine takes {LLM_KEYWORDS}")
+        self.model_name = model
+        self.tokenizer = load_tokenizer(model)
+        self.engine_core = EngineCoreClient.make_client(engine_core, dict(llm_kwargs, model=model))
+        ready = self.engine_core.ready
+        self.max_model_len = ready.max_model_len
+        self.scheduling_policy = ready.scheduling_policy
+        self.processor = Processor(
+            self.tokenizer, vocab_size=ready.vocab_size, max_model_len=ready.max_model_len,
+            num_blocks=ready.num_kv_blocks, block_size=ready.block_size, seed=ready.seed,
+            max_num_seqs=ready.max_num_seqs,
+        )
+        self.stat_logger = PrometheusStatLogger(model)
+        self.stat_loggers: list[StatLogger] = [self.stat_logger]  # each gets every message's stats
+        self._requests: dict[str, _LiveRequest] = {}  # written by callers' loops, read by the output thread
+        self._dead_reason: str | None = None
+        self._stopping = threading.Event()
+        self._output_thread = threading.Thread(target=self._run_output_handler, name="AsyncLLM-output", daemon=True)
+        self._output_thread.start()
+
+    # --- the callers' side (any event loop) ----------------------------------------------------------------------
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's DELTA outputs, ending after the one with `finished=True`.
+
+        ValueError (nothing queued) for a bad request or a request_id still in use; EngineDeadError if the core
+        is dead or dies meanwhile. Closing or cancelling the iterator early aborts the request in the core.
+        """
+        arrival_time = time.monotonic()
+        self.raise_if_dead()
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+        if priority and self.scheduling_policy != "priority":
+            raise ValueError("priority needs scheduling_policy='priority'; under 'fcfs' leave it 0")
+        request = self.processor.process_inputs(request_id, prompt, params, priority, arrival=0)
+        live = _LiveRequest(
+            request_id, request.prompt, request.prompt_token_ids, params.n,
+            RequestOutputCollector(asyncio.get_running_loop()), RequestStateStats(arrival_time),
+        )
+        self._requests[request_id] = live
+        finished = False
+        try:
+            self.raise_if_dead()  # again, now registered: a death from here on reaches this collector
+            self.engine_core.add_request(EngineCoreRequest(request_id, request.prompt_token_ids, params, priority))
+            while not finished:
+                output = await live.collector.get()
+                finished = output.finished
+                yield output
+        finally:
+            if self._requests.get(request_id) is live:
+                del self._requests[request_id]
+            if not finished and self._dead_reason is None:
+                self.engine_core.abort_requests([request_id])
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request from outside its `generate` (which then ends with a `finish_reason="abort"` output);
+        an unknown or finished request_id is ignored."""
+        live = self._requests.pop(request_id, None)
+        if live is None:
+            return
+        self.engine_core.abort_requests([request_id])
+        samples = [CompletionOutput(i, "", [], FinishReason.ABORT) for i in range(live.num_samples)]
+        aborted = RequestOutput(request_id, live.prompt, live.prompt_token_ids, samples, finished=True)
+        live.collector.loop.call_soon_threadsafe(live.collector.put, aborted)
+
+    async def check_health(self) -> None:
+        """Raise EngineDeadError if the engine core has stopped."""
+        self.raise_if_dead()
+
+    @property
+    def errored(self) -> bool:
+        return self._dead_reason is not None
+
+    def raise_if_dead(self) -> None:
+        """EngineDeadError, with why the core stopped, if it has (for code outside an event loop)."""
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+
+    # --- the output thread -----------------------------------------------------------------------------------------
+
+    def _run_output_handler(self) -> None:
+        """Read the core's messages until it dies or we stop; a failure here is fatal too (callers would hang)."""
+        try:
+            while not self._stopping.is_set():
+                message = self.engine_core.get_output(timeout=POLL_SECONDS)
+                if isinstance(message, EngineDead):
+                    self._fail_all(message.message)
+                    return
+                if message is not None:
+                    self._process_outputs(message)
+        except Exception:
+            self._fail_all(f"the front end's output thread failed:\n{traceback.format_exc()}")
+
+    def _process_outputs(self, message: EngineCoreOutputs) -> None:
+        """Record the message's stats, then hand each output (or refusal) to its request's collector."""
+        now = time.monotonic()
+        iteration = IterationStats(transfer_seconds=now - message.timestamp)
+        delivered = []
+        for output in message.outputs:
+            live = self._requests.get(output.request_id)
+            if live is None:
+                continue  # its caller left; the abort is on its way to the core
+            iteration.update_from_output(output, live.stats, now)
+            output.prompt = live.prompt
+            delivered.append((live, live.collector.put, output))
+        for request_id, reason in message.errors.items():
+            if (live := self._requests.get(request_id)) is not None:
+                delivered.append((live, live.collector.put_error, ValueError(reason)))
+        for logger in self.stat_loggers:  # first, so a caller that sees step k's output sees step k's gauges
+            logger.record(message.scheduler_stats, iteration)
+        for live, put, item in delivered:
+            self._deliver(live, put, item)
+
+    def _deliver(self, live: _LiveRequest, put: Any, item: object) -> None:
+        try:
+            live.collector.loop.call_soon_threadsafe(put, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody will read this request again
+            if self._requests.get(live.request_id) is live:
+                del self._requests[live.request_id]
+                self.engine_core.abort_requests([live.request_id])
+
+    def _fail_all(self, reason: str) -> None:
+        """The core is gone: every waiting caller raises EngineDeadError, and so will every later call."""
+        self._dead_reason = reason  # set before reading the requests (see `generate`)
+        for live in list(self._requests.values()):
+            try:
+                live.collector.loop.call_soon_threadsafe(live.collector.put_error, EngineDeadError(reason))
+            except RuntimeError:
+                pass  # that caller's event loop is closed: nobody is waiting there
+
+    # --- shutdown ----------------------------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop the output thread and the engine core (its process exits and is joined). Idempotent."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        self._output_thread.join()
+        self.engine_core.shutdown()
+        if self._dead_reason is None:
+            self._fail_all("the engine was shut down")
+
+    def __enter__(self) -> "AsyncLLM":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    async def __aenter__(self) -> "AsyncLLM":
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.shutdown()

@@ -1,0 +1,229 @@
+"""The front end's handle on the engine core, wherever the core runs: `MPClient` (its own process) or
+`ThreadClient` (a thread of this process). Both answer the same verbs, so `AsyncLLM` never knows which it has.
+
+Why a process by default. A Python thread shares the interpreter lock with the server's event loop: while the
+core's thread runs the Python parts of a step (scheduling, building the batch's metadata, sampling, stop checks,
+detokenising), the event loop cannot run, and while the event loop parses JSON and writes SSE chunks, the step
+waits. The matrix multiplications release the lock, so the overlap is real but partial. A process has its own
+interpreter: nothing is shared but the two queues, at the cost of pickling every message across a pipe.
+Measured with the tests' tiny model (a step there is almost all Python) and 16 streaming callers on one event
+loop: a step took about 1.3 ms with the core in its own process and 3 to 8 ms in a thread, while a message
+took 0.2 to 8 ms to cross the process boundary (0.05 to 3 ms between threads). `benchmarks/engine_core.py`
+measures the same three figures for SmolLM2, where the matrix multiplications weigh more.
+
+Threads inside the core: the child keeps torch's default, one intra-op thread per core, since its forward pass
+is the work that needs the cores; the front end does no tensor work. On a machine busier than its core count,
+torch's OpenMP threads wait on each other (a step of the tiny model went from about 1.3 ms to 5 to 500 ms with
+two threads on two oversubscribed cores); `OMP_NUM_THREADS=1` in the environment then restores it.
+
+The child process is started with "spawn" (a fresh interpreter, not a fork of this one: forking a process that
+has started threads — tokenizers, OpenMP, the event loop — can deadlock the child). So the child imports
+everything again and builds its own `LLM(**llm_kwargs).llm_engine`; its entry point must be a top-level function
+(`run_engine_core`). It ignores Ctrl-C, which the terminal sends to the whole process group: stopping the core
+is the front end's decision (`shutdown`), and an orphaned core notices its parent is gone and exits.
+
+A child can also die without a word (killed, out of memory, a segfault in a kernel). `MPClient.get_output`
+therefore waits in short slices and checks `process.is_alive()` between them, and reports a silent death as
+`EngineDead`, like a crash the core could still describe.
+
+Where this lives in vLLM: `vllm/v1/engine/core_client.py` (`EngineCoreClient.make_client`, `MPClient`,
+`InprocClient`); vLLM's queues are ZeroMQ sockets with msgpack, ours `multiprocessing` queues with pickle.
+"""
+
+import multiprocessing
+import os
+import pickle
+import queue
+import signal
+import threading
+import time
+import traceback
+import weakref
+from abc import ABC, abstractmethod
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from solutions.engine.core import (
+    EngineCore,
+    EngineCoreReady,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    EngineDead,
+    OutputMessage,
+)
+
+ENGINE_CORE_KINDS = ("process", "thread")
+STARTUP_TIMEOUT_SECONDS = 300.0  # building the engine: imports, loading weights (the first SmolLM2 load converts it)
+POLL_SECONDS = 0.1  # the longest a reader waits before checking that the core is still alive
+SHUTDOWN_TIMEOUT_SECONDS = 10.0  # for the core to finish its current step and exit before it is terminated
+
+
+class EngineCoreClient(ABC):
+    """Send requests to the engine core, read its messages back. `ready` holds the core's first message."""
+
+    ready: EngineCoreReady
+
+    @staticmethod
+    def make_client(engine_core: str, llm_kwargs: dict[str, Any]) -> "EngineCoreClient":
+        """The client for `engine_core` ("process" or "thread"), its core built from `LLM(**llm_kwargs)`."""
+        if engine_core == "process":
+            return MPClient(llm_kwargs)
+        if engine_core == "thread":
+            return ThreadClient(llm_kwargs)
+        raise ValueError(f"engine_core must be one of {ENGINE_CORE_KINDS}, got {engine_core!r}")
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send((EngineCoreRequestType.ADD, request))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self._send((EngineCoreRequestType.ABORT, list(request_ids)))
+
+    @abstractmethod
+    def get_output(self, timeout: float) -> OutputMessage | None:
+        """The core's next message, waiting at most `timeout` seconds (None if none came); `EngineDead` once the
+        core has stopped, whether it said so or died silently."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop the core and release its queues (and process). Idempotent."""
+
+    @abstractmethod
+    def _send(self, message: tuple) -> None: ...
+
+
+# --- the core in its own process --------------------------------------------------------------------------------
+
+
+def run_engine_core(llm_kwargs: dict[str, Any], input_queue: Any, output_queue: Any) -> None:
+    """The child process's entry point: build the engine, say READY (or why not), run the busy loop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the front end decides
+    from solutions.llm import LLM  # imported here: the parent may not need torch's model code at all
+
+    try:
+        engine = LLM(**llm_kwargs).llm_engine
+    except Exception as error:  # sent back whole, so the caller sees the ValueError naming its field
+        output_queue.put(error if _picklable(error) else RuntimeError(traceback.format_exc()))
+        return
+    output_queue.put(EngineCoreReady.from_engine(engine))
+    parent = multiprocessing.parent_process()
+    EngineCore(engine).run_busy_loop(input_queue, output_queue, parent_alive=parent.is_alive)
+    # Leave without the interpreter's teardown: the core owns nothing that needs finalising once its last messages
+    # are flushed, and unloading torch's modules would add a second or more to every shutdown.
+    output_queue.close()
+    output_queue.join_thread()
+    os._exit(0)
+
+
+def _picklable(error: BaseException) -> bool:
+    try:
+        pickle.dumps(error)
+    except Exception:
+        return False
+    return True
+
+
+def _stop_process(process: BaseProcess, input_queue: Any, output_queue: Any) -> None:
+    """Ask the core to exit, then insist; close both queues. Kept outside the client so `weakref.finalize` can
+    call it at interpreter exit without keeping the client alive."""
+    if process.is_alive():
+        input_queue.put((EngineCoreRequestType.SHUTDOWN, None))
+        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_SECONDS
+        while process.is_alive() and time.monotonic() < deadline:
+            try:  # keep reading: a child blocks on exit until its last messages are out of the pipe
+                output_queue.get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                pass
+        process.join(POLL_SECONDS)
+    if process.is_alive():
+        process.terminate()
+        process.join(SHUTDOWN_TIMEOUT_SECONDS)
+    if process.is_alive():
+        process.kill()
+        process.join()
+    input_queue.cancel_join_thread()  # the reader is gone: do not wait to flush what it will never read
+    input_queue.close()
+    output_queue.close()
+
+
+class MPClient(EngineCoreClient):
+    """The engine core in a child process (multiprocessing, "spawn"), two `multiprocessing.Queue`s between."""
+
+    def __init__(self, llm_kwargs: dict[str, Any]) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.input_queue, self.output_queue = context.Queue(), context.Queue()
+        self.process = context.Process(
+            target=run_engine_core, args=(llm_kwargs, self.input_queue, self.output_queue), name="EngineCore",
+            daemon=True,
+        )
+        self.process.start()
+        self._finalizer = weakref.finalize(self, _stop_process, self.process, self.input_queue, self.output_queue)
+        first = self.get_output(STARTUP_TIMEOUT_SECONDS)
+        if not isinstance(first, EngineCoreReady):
+            self.shutdown()
+            if isinstance(first, BaseException):
+                raise first
+            reason = first.message if isinstance(first, EngineDead) else "no READY message in time"
+            raise RuntimeError(f"the engine core process did not start: {reason}")
+        self.ready = first
+
+    def get_output(self, timeout: float) -> OutputMessage | BaseException | None:
+        waited = 0.0
+        while True:
+            try:
+                return self.output_queue.get(timeout=max(0.0, min(POLL_SECONDS, timeout - waited)))
+            except queue.Empty:
+                waited += POLL_SECONDS
+            if not self.process.is_alive():
+                try:  # it may have said something just before it died
+                    return self.output_queue.get(timeout=POLL_SECONDS)
+                except queue.Empty:
+                    exitcode = self.process.exitcode
+                    return EngineDead(f"the engine core process died without a word (exit code {exitcode})")
+            if waited >= timeout:
+                return None
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    def _send(self, message: tuple) -> None:
+        if self._finalizer.alive:
+            self.input_queue.put(message)
+
+
+# --- the core in a thread of this process ------------------------------------------------------------------------
+
+
+class ThreadClient(EngineCoreClient):
+    """The engine core in a daemon thread of this process, two `queue.Queue`s between (nothing is pickled)."""
+
+    def __init__(self, llm_kwargs: dict[str, Any]) -> None:
+        from solutions.llm import LLM
+
+        self.engine_core = EngineCore(LLM(**llm_kwargs).llm_engine)
+        self.ready = EngineCoreReady.from_engine(self.engine_core.engine)
+        self.input_queue: queue.Queue = queue.Queue()
+        self.output_queue: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(
+            target=self.engine_core.run_busy_loop, args=(self.input_queue, self.output_queue), name="EngineCore",
+            daemon=True,
+        )
+        self.thread.start()
+
+    def get_output(self, timeout: float) -> OutputMessage | None:
+        try:
+            return self.output_queue.get(timeout=timeout)
+        except queue.Empty:
+            if self.thread.is_alive():
+                return None
+        try:
+            return self.output_queue.get(block=False)
+        except queue.Empty:
+            return EngineDead("the engine core thread has exited")
+
+    def shutdown(self) -> None:
+        if self.thread.is_alive():
+            self.input_queue.put((EngineCoreRequestType.SHUTDOWN, None))
+            self.thread.join(SHUTDOWN_TIMEOUT_SECONDS)
+
+    def _send(self, message: tuple) -> None:
+        self.input_queue.put(message)

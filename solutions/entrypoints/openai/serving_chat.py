@@ -1,0 +1,134 @@
+"""`POST /v1/chat/completions`: a conversation in, the assistant's reply out, whole or streamed.
+
+The conversation becomes one prompt through the tokenizer's chat template (a Jinja template shipped with the
+model), with `add_generation_prompt=True` so the prompt ends where the assistant's reply begins — exactly what
+`LLM.chat` builds — and from there it is a completion. Streamed, each sample's first chunk carries
+`delta.role = "assistant"`, later chunks `delta.content`, the last one the `finish_reason`.
+
+Where this lives in vLLM: `vllm/entrypoints/openai/serving_chat.py` (`OpenAIServingChat`) and
+`vllm/entrypoints/chat_utils.py` (`apply_hf_chat_template`).
+"""
+
+from collections.abc import AsyncGenerator
+
+from fastapi import Request
+from jinja2 import TemplateError
+from starlette.responses import Response
+
+from solutions.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogProb,
+    ChatLogProbs,
+    ChatLogProbsContent,
+    ChatMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    RequestError,
+    UsageInfo,
+)
+from solutions.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    OpenAIServing,
+    finish_reason_of,
+    sse_event,
+    token_text,
+    usage_of,
+)
+from solutions.outputs import CompletionOutput, RequestOutput
+
+
+def chat_logprobs(completion: CompletionOutput, num_top: int) -> ChatLogProbs:
+    """Chat's logprobs: per token, the sampled token and the `num_top` most likely ones, most likely first."""
+    content = []
+    for token_id, entry in zip(completion.token_ids, completion.logprobs or [], strict=True):
+        token = token_text(entry[token_id], token_id)
+        top = sorted((lp.rank, t, lp) for t, lp in entry.items() if lp.rank <= num_top)
+        content.append(ChatLogProbsContent(
+            token=token, logprob=entry[token_id].logprob, bytes=list(token.encode()),
+            top_logprobs=[
+                ChatLogProb(token=token_text(lp, t), logprob=lp.logprob, bytes=list(token_text(lp, t).encode()))
+                for _, t, lp in top
+            ],
+        ))
+    return ChatLogProbs(content=content)
+
+
+class OpenAIServingChat(OpenAIServing):
+    prompt_field = "messages"
+    request_id_prefix = "chatcmpl"
+
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        self.check_model(request)
+        return await self.generate_response(request, self.render_conversation(request), raw_request)
+
+    def render_conversation(self, request: ChatCompletionRequest) -> str:
+        """The conversation as one prompt string, through the model's chat template."""
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise RequestError(
+                "messages need a chat template, and this model has none: use /v1/completions", "messages"
+            )
+        try:
+            conversation = request.conversation()
+            return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        except TemplateError as error:  # the template's own checks, e.g. roles that must alternate
+            raise RequestError(f"messages could not be formatted by the chat template: {error}", "messages") from error
+
+    def logprobs(self, request: ChatCompletionRequest, completion: CompletionOutput) -> ChatLogProbs | None:
+        return None if completion.logprobs is None else chat_logprobs(completion, request.top_logprobs or 0)
+
+    def response(
+        self, request: ChatCompletionRequest, request_id: str, created: int, final: RequestOutput
+    ) -> ChatCompletionResponse:
+        choices = [
+            ChatChoice(
+                index=completion.index, message=ChatMessage(content=completion.text),
+                logprobs=self.logprobs(request, completion),
+                finish_reason=finish_reason_of(completion), stop_reason=completion.stop_reason,
+            )
+            for completion in final.outputs
+        ]
+        num_generated = sum(len(completion.token_ids) for completion in final.outputs)
+        return ChatCompletionResponse(
+            id=request_id, created=created, model=self.model_name, choices=choices,
+            usage=usage_of(len(final.prompt_token_ids), num_generated),
+        )
+
+    async def stream_events(
+        self, request: ChatCompletionRequest, request_id: str, created: int, first: RequestOutput,
+        outputs: AsyncGenerator[RequestOutput, None],
+    ) -> AsyncGenerator[str, None]:
+        num_generated = 0
+
+        def chunk(choice: ChatStreamChoice | None, usage: UsageInfo | None = None) -> str:
+            choices = [] if choice is None else [choice]
+            return sse_event(ChatCompletionChunk(
+                id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+            ))
+
+        def events(output: RequestOutput) -> list[str]:
+            nonlocal num_generated
+            chunks = []
+            for completion in output.outputs:
+                num_generated += len(completion.token_ids)
+                if not completion.token_ids and completion.finish_reason is None:
+                    continue
+                chunks.append(chunk(ChatStreamChoice(
+                    index=completion.index, delta=DeltaMessage(content=completion.text),
+                    logprobs=self.logprobs(request, completion),
+                    finish_reason=finish_reason_of(completion), stop_reason=completion.stop_reason,
+                )))
+            return chunks
+
+        for index in range(request.n):
+            yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
+        for event in events(first):
+            yield event
+        async for output in outputs:
+            for event in events(output):
+                yield event
+        if request.include_usage:
+            yield chunk(None, usage_of(len(first.prompt_token_ids), num_generated))
+        yield SSE_DONE

@@ -1,0 +1,253 @@
+"""What both endpoints share: the model check, the prompt's limits, the engine's errors by field, the client
+going away, and streaming over server-sent events.
+
+A request's life in the server: the body is parsed into a pydantic request (a bad type or a missing field is a
+400 naming it); the prompt is tokenised here, so `max_tokens` can default to the room left in the context; the
+request becomes `SamplingParams` (a bad value is a 400 naming the request's field); `AsyncLLM.generate` streams
+DELTA outputs, which the endpoint either forwards as SSE chunks (`stream: true`) or merges into one response.
+The server always asks for DELTA outputs, even for a whole response: the engine's per-token outputs are what
+the front end times for the latency metrics.
+
+A client that goes away must not keep its blocks. A streamed response notices when Starlette cancels the
+stream (it listens for `http.disconnect` while it streams); `ClosingStreamingResponse` then closes the event
+generator, whose `finally` closes `AsyncLLM.generate`, which aborts the request. A whole response has nothing
+to send until the end, so `until_disconnected` races the work against the connection's `http.disconnect` and
+cancels the work if the client leaves first — the same abort, through the same `finally`.
+
+Where this lives in vLLM: `vllm/entrypoints/openai/serving_engine.py` (`OpenAIServing`) and
+`vllm/entrypoints/utils.py` (`with_cancellation`, `listen_for_disconnect`).
+"""
+
+import asyncio
+import functools
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import AsyncGenerator, Awaitable
+from http import HTTPStatus
+from typing import TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from solutions.engine.async_llm import AsyncLLM, EngineDeadError, merge_delta
+from solutions.entrypoints.openai.protocol import (
+    ErrorInfo,
+    ErrorResponse,
+    RequestError,
+    SamplingFields,
+    UsageInfo,
+    field_named_in,
+)
+from solutions.outputs import CompletionOutput, Logprob, RequestOutput
+from solutions.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before its response was ready; the request has been aborted."""
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    """Return when the client closes the connection: ASGI's `receive` (the request's message channel; the body
+    has been read, so the next message is that) gives `{"type": "http.disconnect"}`."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnected(receive: Receive, work: Awaitable[T]) -> T:
+    """Await `work`, unless the client disconnects first (`receive`, the request's ASGI channel, says so): then
+    cancel it and raise ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()  # cancelling the task that iterates `generate` aborts the request in the engine
+            await asyncio.wait((task,))
+    if task.cancelled():
+        raise ClientDisconnected
+    return task.result()
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A streaming response that closes its event generator and the engine's outputs when it ends, however it
+    ends: finished, or cancelled because the client disconnected — so the request is aborted now, not whenever
+    the generators are garbage-collected. (`outputs` is closed on its own too: a generator cancelled before its
+    first item never runs its `finally`.)"""
+
+    def __init__(self, events: AsyncGenerator[str, None], outputs: AsyncGenerator[RequestOutput, None]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self.outputs = outputs
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            await self.outputs.aclose()
+
+
+def sse_event(payload: BaseModel | str) -> str:
+    """One server-sent event: `data: <json>` and a blank line."""
+    return f"data: {payload if isinstance(payload, str) else payload.model_dump_json()}\n\n"
+
+
+SSE_DONE = sse_event("[DONE]")  # OpenAI's end-of-stream marker
+
+
+async def engine_errors_as_events(events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
+    """`events`, but if the engine dies mid-stream (the 200 is already sent) the error goes out as a last event."""
+    try:
+        async for event in events:
+            yield event
+    except EngineDeadError as error:
+        yield sse_event(error_response(f"the engine died: {error}", HTTPStatus.INTERNAL_SERVER_ERROR))
+        yield SSE_DONE
+    finally:
+        await events.aclose()
+
+
+def usage_of(num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+        total_tokens=num_prompt_tokens + num_completion_tokens,
+    )
+
+
+def finish_reason_of(completion: CompletionOutput) -> str | None:
+    return None if completion.finish_reason is None else completion.finish_reason.value
+
+
+def token_text(logprob: Logprob, token_id: int) -> str:
+    """A token as logprobs show it: its text, or `token_id:<id>` (vLLM's form) when there is no tokenizer."""
+    return f"token_id:{token_id}" if logprob.decoded_token is None else logprob.decoded_token
+
+
+ERROR_TYPES = {  # the exception OpenAI's client raises for each status
+    HTTPStatus.BAD_REQUEST: "BadRequestError",
+    HTTPStatus.NOT_FOUND: "NotFoundError",
+    HTTPStatus.METHOD_NOT_ALLOWED: "MethodNotAllowedError",
+    HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
+    HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
+}
+
+
+def error_response(message: str, status: HTTPStatus, param: str | None = None) -> ErrorResponse:
+    """OpenAI's error body: `{"error": {"message", "type", "param", "code"}}`."""
+    error_type = ERROR_TYPES.get(status, "APIError")
+    return ErrorResponse(error=ErrorInfo(message=message, type=error_type, param=param, code=status))
+
+
+class OpenAIServing(ABC):
+    """The endpoints' common steps, around one `AsyncLLM`. A subclass says how its outputs look: `response`
+    (a whole one) and `stream_events` (SSE chunks); `prompt_field` names the request field the prompt came from
+    ("prompt", or "messages" for chat), for error messages; `request_id_prefix` is OpenAI's ("cmpl", "chatcmpl").
+    """
+
+    prompt_field: str
+    request_id_prefix: str
+
+    def __init__(self, engine: AsyncLLM) -> None:
+        self.engine = engine
+        self.model_name = engine.model_name
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+
+    def check_model(self, request: SamplingFields) -> None:
+        """An unknown `model` is a 404, as OpenAI answers; no `model` means the one this server serves."""
+        if request.model is not None and request.model != self.model_name:
+            raise RequestError(
+                f"The model `{request.model}` does not exist; this server serves `{self.model_name}`",
+                param="model", status=HTTPStatus.NOT_FOUND,
+            )
+
+    def prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
+        """The prompt as token ids (tokenised as `LLM.generate` does), checked against `max_model_len`."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                message = f"{self.prompt_field} must be token ids: this model has no tokenizer"
+                raise RequestError(message, self.prompt_field)
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = prompt
+        if len(token_ids) >= self.max_model_len:
+            raise RequestError(
+                f"{self.prompt_field} has {len(token_ids)} tokens; it must be shorter than "
+                f"max_model_len={self.max_model_len}, to leave room for at least one generated token",
+                param=self.prompt_field,
+            )
+        return token_ids
+
+    def sampling_params(self, request: SamplingFields, prompt_token_ids: list[int]) -> SamplingParams:
+        return request.to_sampling_params(default_max_tokens=self.max_model_len - len(prompt_token_ids))
+
+    async def outputs(
+        self, request: SamplingFields, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """`AsyncLLM.generate`, with the engine's ValueError (raised before anything is queued) as a RequestError
+        naming the request's field; closing this generator closes `generate`, which aborts the request."""
+        generator = self.engine.generate(prompt_token_ids, params, request_id)
+        try:
+            async for output in generator:
+                yield output
+        except ValueError as error:
+            # The engine's messages name its own fields ("prompt_token_ids of request ... must lie in [0, 49152)",
+            # "... could need 40 KV blocks ...; lower max_tokens"): map them onto this request's.
+            fields = {"prompt": self.prompt_field, "prompt_token_ids": self.prompt_field, "stop": "stop", "n": "n",
+                      "max_tokens": request.request_field("max_tokens")}
+            named = field_named_in(str(error), list(fields))
+            raise RequestError(str(error), param=None if named is None else fields[named]) from error
+        finally:
+            await generator.aclose()
+
+    async def generate_response(
+        self, request: SamplingFields, prompt: str | list[int], raw_request: Request
+    ) -> Response:
+        """Run one request through the engine and answer it: SSE chunks if it asked to stream, else one JSON."""
+        prompt_token_ids = self.prompt_token_ids(prompt)
+        params = self.sampling_params(request, prompt_token_ids)
+        request_id, created = f"{self.request_id_prefix}-{uuid.uuid4().hex}", int(time.time())
+        outputs = self.outputs(request, prompt_token_ids, params, request_id)
+        if request.stream:
+            first = await self.first_output(outputs, raw_request)
+            events = self.stream_events(request, request_id, created, first, outputs)
+            return ClosingStreamingResponse(engine_errors_as_events(events), outputs)
+        final = await self.all_outputs(outputs, raw_request)
+        return JSONResponse(self.response(request, request_id, created, final).model_dump(mode="json"))
+
+    @abstractmethod
+    def response(self, request: SamplingFields, request_id: str, created: int, final: RequestOutput) -> BaseModel:
+        """The whole response, from the request's merged outputs."""
+
+    @abstractmethod
+    def stream_events(
+        self, request: SamplingFields, request_id: str, created: int, first: RequestOutput,
+        outputs: AsyncGenerator[RequestOutput, None],
+    ) -> AsyncGenerator[str, None]:
+        """The SSE events for `first` and every later output, then (if asked) usage, then `[DONE]`."""
+
+    async def first_output(self, outputs: AsyncGenerator[RequestOutput, None], raw_request: Request) -> RequestOutput:
+        """Wait for a streamed request's first output before answering 200, so a request the engine refuses
+        still gets its 400 (and a client that leaves meanwhile, its abort)."""
+        try:
+            return await until_disconnected(raw_request.receive, anext(outputs))
+        except ClientDisconnected:
+            await outputs.aclose()
+            raise
+
+    async def all_outputs(self, outputs: AsyncGenerator[RequestOutput, None], raw_request: Request) -> RequestOutput:
+        """A whole response's outputs, merged; aborted if the client disconnects first."""
+
+        async def collect() -> list[RequestOutput]:
+            return [output async for output in outputs]
+
+        try:
+            return functools.reduce(merge_delta, await until_disconnected(raw_request.receive, collect()))
+        finally:
+            await outputs.aclose()

@@ -1,0 +1,303 @@
+"""The OpenAI-compatible server, live on 127.0.0.1, driven by the real `openai` client: completions and chat,
+whole and streamed, token for token what `LLM` generates offline; 32 streaming clients at once; clients that
+hang up mid-request (their blocks come back); bad requests refused with OpenAI's error shape, naming the field,
+while the server keeps serving; `/v1/models`, `/health`, `/metrics`.
+
+One server (SmolLM2, the engine core in its own process) and one offline `LLM` serve the whole module.
+"""
+
+import json
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from solutions import LLM, SamplingParams
+from solutions.entrypoints.openai.api_server import serve_in_background
+
+MODEL = "smollm2-135m"
+MAX_MODEL_LEN = 512
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+PROMPT = "The capital of France is"
+TOKEN_IDS = [6403, 1980, 253, 655, 28]  # "Once upon a time," as SmolLM2's token ids
+CLIENT_PROMPTS = [f"Write a sentence about the number {i}." for i in range(32)]
+CONVERSATION = [{"role": "user", "content": "Name three colours."}]
+METRIC_NAMES = (
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions",
+    "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+    "vllm:prompt_tokens", "vllm:generation_tokens",
+)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serve_in_background(MODEL, max_model_len=MAX_MODEL_LEN, max_num_seqs=32, engine_core="process") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="EMPTY", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(MODEL, max_model_len=MAX_MODEL_LEN, max_num_seqs=32)
+
+
+@pytest.fixture(scope="module")
+def offline(llm) -> dict[str, list[str]]:
+    """What `LLM.generate` answers to every request the tests send, computed in one batch: name → texts."""
+    chat_prompt = llm.tokenizer.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True)
+    requests = {
+        "prompt": (PROMPT, GREEDY),
+        "token_ids": (TOKEN_IDS, GREEDY),
+        "chat": (chat_prompt, GREEDY),
+        "two_samples": (PROMPT, SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=MAX_TOKENS)),
+        **{f"client_{i}": (prompt, GREEDY) for i, prompt in enumerate(CLIENT_PROMPTS)},
+    }
+    prompts, params = zip(*requests.values(), strict=True)
+    outputs = llm.generate(list(prompts), list(params), use_tqdm=False)
+    return {name: [c.text for c in output.outputs] for name, output in zip(requests, outputs, strict=True)}
+
+
+def post(url: str, body: dict, timeout: float = 60) -> tuple[int, dict]:
+    """POST JSON with the standard library; (status, parsed body) whatever the status."""
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def urllib_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+def metrics(server) -> dict[str, float]:
+    """/metrics parsed with Prometheus's own parser: sample name → value."""
+    with urllib.request.urlopen(f"{server.base_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def wait_until_idle(server, timeout: float = 10.0) -> dict[str, float]:
+    """Poll /metrics until nothing runs, waits or holds a KV block; return the last reading either way."""
+    deadline = time.monotonic() + timeout
+    while True:
+        values = metrics(server)
+        gauges = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+        idle = [values[f"vllm:{name}"] for name in gauges]
+        if idle == [0, 0, 0] or time.monotonic() > deadline:
+            return values
+        time.sleep(0.05)
+
+
+# --- answers equal to the offline engine's ---------------------------------------------------------------
+
+
+def test_completion_greedy_matches_offline_generate(client, offline, llm):
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    assert response.choices[0].text == offline["prompt"][0]
+    assert response.choices[0].finish_reason == "length"
+    prompt_tokens = len(llm.tokenizer.encode(PROMPT))
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (prompt_tokens, MAX_TOKENS)
+    assert response.usage.total_tokens == prompt_tokens + MAX_TOKENS
+
+
+def test_completion_stream_of_token_ids_concatenates_to_offline_generate(client, offline):
+    stream = client.completions.create(
+        model=MODEL, prompt=TOKEN_IDS, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    *content, usage = list(stream)
+    assert len(content) > 1, "the answer must arrive in pieces"
+    assert usage.choices == [] and (usage.usage.prompt_tokens, usage.usage.completion_tokens) == (5, MAX_TOKENS)
+    assert "".join(c.choices[0].text for c in content) == offline["token_ids"][0]
+    assert [c.choices[0].finish_reason for c in content] == [None] * (len(content) - 1) + ["length"]
+
+
+def test_chat_matches_offline_chat_template(client, offline):
+    response = client.chat.completions.create(model=MODEL, messages=CONVERSATION, max_tokens=MAX_TOKENS, temperature=0)
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == offline["chat"][0]
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=CONVERSATION, max_completion_tokens=MAX_TOKENS, temperature=0, stream=True
+    ))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == offline["chat"][0]
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_parallel_samples_stream_under_their_index(client, offline):
+    expected = offline["two_samples"]
+    assert expected[0] != expected[1]
+    texts = ["", ""]
+    for chunk in client.completions.create(
+        model=MODEL, prompt=PROMPT, n=2, temperature=1.0, seed=7, max_tokens=MAX_TOKENS, stream=True
+    ):
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.text
+    assert texts == expected
+
+
+def test_stop_string_cuts_the_text(client, offline):
+    full = offline["prompt"][0]
+    stop = full.split()[2]  # a word the greedy answer is known to reach
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stop=[stop])
+    (choice,) = response.choices
+    assert (choice.text, choice.finish_reason) == (full[: full.index(stop)], "stop")
+    assert choice.model_extra["stop_reason"] == stop
+
+
+def test_logprobs_are_the_sampled_tokens(client, offline):
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, logprobs=2)
+    logprobs = response.choices[0].logprobs
+    assert "".join(logprobs.tokens) == response.choices[0].text == offline["prompt"][0]
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        assert top[token] == logprob == max(top.values())  # greedy: the sampled token is the most likely
+        assert len(top) == 2
+
+
+# --- many clients, and clients that leave ------------------------------------------------------------------
+
+
+def test_32_concurrent_streaming_clients_each_get_their_own_answer(client, offline, server):
+    def stream_one(prompt: str) -> str:
+        chunks = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True
+        )
+        return "".join(chunk.choices[0].text for chunk in chunks)
+
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        texts = list(pool.map(stream_one, CLIENT_PROMPTS))
+    assert texts == [offline[f"client_{i}"][0] for i in range(32)]
+    assert wait_until_idle(server)["vllm:num_requests_running"] == 0
+
+
+# A request that nobody aborts runs to the end of the context: ~500 tokens. Counting the tokens generated makes
+# the checks below independent of the machine's speed (a fast machine could finish them before the poll ends).
+FULL_RUN_TOKENS = MAX_MODEL_LEN - 16
+
+
+def test_clients_that_disconnect_mid_stream_free_their_blocks(client, server):
+    generated_before = metrics(server)["vllm:generation_tokens_total"]
+    streams = [
+        client.completions.create(model=MODEL, prompt=f"Count to a thousand, {i}:", max_tokens=None, temperature=0,
+                                  stream=True, extra_body={"ignore_eos": True})
+        for i in range(4)
+    ]
+    for stream in streams:
+        for _, _chunk in zip(range(3), stream, strict=False):
+            pass
+    assert metrics(server)["vllm:num_requests_running"] > 0
+    for stream in streams:
+        stream.close()
+    values = wait_until_idle(server)
+    assert values["vllm:num_requests_running"] == 0
+    assert values["vllm:kv_cache_usage_perc"] == 0
+    assert values["vllm:generation_tokens_total"] - generated_before < FULL_RUN_TOKENS  # 4 requests, aborted early
+
+
+def test_client_that_times_out_on_a_whole_response_frees_its_blocks(server):
+    generated_before = metrics(server)["vllm:generation_tokens_total"]
+    body = {"model": MODEL, "prompt": "Count to a thousand:", "max_tokens": None, "ignore_eos": True}
+    with pytest.raises((TimeoutError, urllib.error.URLError)):
+        post(f"{server.base_url}/v1/completions", body, timeout=0.5)
+    values = wait_until_idle(server)
+    assert values["vllm:num_requests_running"] == 0
+    assert values["vllm:kv_cache_usage_perc"] == 0
+    assert values["vllm:generation_tokens_total"] - generated_before < FULL_RUN_TOKENS / 2
+
+
+# --- bad requests -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"temperature": -1}, 400, "temperature"),
+        ({"top_p": 2}, 400, "top_p"),
+        ({"n": 0}, 400, "n"),
+        ({"max_tokens": 0}, 400, "max_tokens"),
+        ({"stop": [""]}, 400, "stop"),
+        ({"prompt": "word " * MAX_MODEL_LEN}, 400, "prompt"),
+        ({"prompt": [1, 2, 10**9]}, 400, "prompt"),  # a token id outside the vocabulary
+        ({"prompt": ["one", "two"]}, 400, "prompt"),  # OpenAI's batch form: one prompt per request here
+        ({"max_tokens": "many"}, 400, "max_tokens"),  # a field of the wrong type
+        ({"max_token": 8}, 400, "max_token"),  # a field OpenAI's API does not have
+        ({"prompt": None}, 400, "prompt"),
+        ({"stream_options": {"include_usage": True}}, 400, "stream_options"),  # without stream: true
+        ({"model": "gpt-4"}, 404, "model"),
+    ],
+    ids=lambda value: json.dumps(value)[:40] if isinstance(value, dict) else str(value),
+)
+def test_bad_completion_requests_are_refused_naming_the_field(server, body, status, param):
+    request = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **body}
+    if body == {"prompt": None}:
+        del request["prompt"]  # missing altogether
+    got_status, got = post(f"{server.base_url}/v1/completions", request)
+    assert got_status == status
+    assert got["error"]["param"] == param
+    assert got["error"]["code"] == status
+    assert got["error"]["type"] == {400: "BadRequestError", 404: "NotFoundError"}[status]
+    assert param in got["error"]["message"] or status == 404
+
+
+def test_bad_chat_requests_name_the_chat_field(client):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=CONVERSATION, max_completion_tokens=0)
+    assert refused.value.body["param"] == "max_completion_tokens"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "hi"}])
+    assert refused.value.body["param"] == "messages"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=CONVERSATION)
+
+
+def test_server_keeps_serving_after_bad_requests(client, offline, server):
+    for body in ({"temperature": -1}, {"max_tokens": "many"}, {"model": "nope"}, {"prompt": [10**9]}):
+        status, _ = post(f"{server.base_url}/v1/completions", {"prompt": PROMPT, **body})
+        assert status in (400, 404)
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    assert response.choices[0].text == offline["prompt"][0]
+
+
+# --- the other endpoints ----------------------------------------------------------------------------------
+
+
+def test_models_health_and_metrics(client, server):
+    (model,) = client.models.list().data
+    assert model.id == MODEL and model.max_model_len == MAX_MODEL_LEN
+    with urllib.request.urlopen(f"{server.base_url}/health", timeout=10) as response:
+        assert response.status == 200
+    with urllib.request.urlopen(f"{server.base_url}/metrics", timeout=10) as response:
+        assert response.headers["Content-Type"].startswith("text/plain")
+        families = {family.name for family in text_string_to_metric_families(response.read().decode())}
+    assert set(METRIC_NAMES) <= families
+    values = metrics(server)
+    assert values["vllm:time_to_first_token_seconds_count"] > 0 and values["vllm:prompt_tokens_total"] > 0
+
+
+def test_engine_death_reaches_clients_and_health(client, server):
+    """Last in the module: it kills the module's engine core (as a crash or the OOM killer would)."""
+    server.engine.engine_core.process.kill()
+    deadline = time.monotonic() + 10
+    while (status := urllib_status(f"{server.base_url}/health")) == 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert status == 503
+    with pytest.raises(openai.InternalServerError) as refused:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS)
+    assert refused.value.status_code == 500 and "engine" in refused.value.body["message"]
+    assert client.models.list().data[0].id == MODEL  # the server itself still answers
