@@ -5,7 +5,7 @@
     python -m benchmarks.serving --fig12          # paged vs Orca Max / Pow2 / Oracle (about 12-15 minutes)
     python -m benchmarks.serving --fig12 --quick  # the same at three rates, under 3 minutes (a smoke run)
     python -m benchmarks.serving --base-url http://127.0.0.1:8000   # an already running server
-    python -m benchmarks.serving --json --save serving.json --plot serving.png
+    python -m benchmarks.serving --json --save serving.json --plot serving.png   # also the JSON and a plot
 
 The shape of vLLM's `benchmarks/benchmark_serving.py`: requests leave the client at Poisson arrival times
 (exponential gaps, seeded) whether or not earlier ones have finished, each streamed (`stream: true`) through the
@@ -99,13 +99,12 @@ class BenchRequest:
     output_len: int
 
 
-def make_requests(num_requests: int, vocab_size: int, seed: int = 0, scale: int = SCALE) -> list[BenchRequest]:
-    """ShareGPT-like lengths divided by `scale` (prompt + output within the scaled max_model_len), prompts of random
-    token ids in [100, vocab_size). The same seed gives the same requests."""
+def make_requests(num_requests: int, vocab_size: int, seed: int = 0) -> list[BenchRequest]:
+    """ShareGPT-like lengths divided by SCALE (prompt + output within MAX_MODEL_LEN), prompts of random token ids
+    in [100, vocab_size). The same seed gives the same requests."""
     prompt_lens, output_lens = sample_lengths(num_requests, seed)  # at the paper's scale, max_model_len 2048
-    max_model_len = SHAREGPT_MAX_MODEL_LEN // scale
-    prompt_lens = np.maximum(np.rint(prompt_lens / scale), 1).astype(np.int64)  # <= 1024 / scale: half the context
-    output_lens = np.clip(np.rint(output_lens / scale), 1, max_model_len - prompt_lens).astype(np.int64)
+    prompt_lens = np.maximum(np.rint(prompt_lens / SCALE), 1).astype(np.int64)  # <= MAX_MODEL_LEN // 2
+    output_lens = np.clip(np.rint(output_lens / SCALE), 1, MAX_MODEL_LEN - prompt_lens).astype(np.int64)
     rng = np.random.default_rng(seed + 1)
     return [BenchRequest(rng.integers(100, vocab_size, p).tolist(), int(o)) for p, o in zip(prompt_lens, output_lens)]
 
@@ -419,7 +418,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--save", type=Path, help="also write the JSON object to this file")
-    parser.add_argument("--plot", type=Path, help="save the plot here (default: serving.png or serving_fig12.png)")
+    parser.add_argument("--plot", type=Path, help="also save the plot (PNG) here")
     args = parser.parse_args()
     if args.fig12 and args.base_url:
         parser.error("--fig12 starts its own servers (one per system); it cannot use --base-url")
@@ -437,16 +436,14 @@ def main() -> None:
 
     vocab_size = len(load_tokenizer(args.model))
     result = run_fig12(args, vocab_size) if args.fig12 else run_serving(args, vocab_size)
-    plot_path = args.plot or Path("serving_fig12.png" if args.fig12 else "serving.png")
-    (plot_fig12 if args.fig12 else plot_serving)(result, plot_path)
-    result["plot"] = str(plot_path)
+    if args.plot:
+        (plot_fig12 if args.fig12 else plot_serving)(result, args.plot)
     if args.save:
         args.save.write_text(json.dumps(result, indent=1) + "\n")
     if args.json:
         print(json.dumps(result))
     else:
         print(fig12_table(result) if args.fig12 else serving_table(result["rows"]))
-        print(f"plot: {plot_path}")
 
 
 if __name__ == "__main__":

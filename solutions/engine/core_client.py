@@ -8,11 +8,16 @@ waits. The matrix multiplications release the lock, so the overlap is real but p
 interpreter: nothing is shared but the two queues, at the cost of pickling every message across a pipe.
 Measured with the tests' tiny model (a step there is almost all Python) and 16 streaming callers on one event
 loop: a step took about 1.3 ms with the core in its own process and 3 to 8 ms in a thread, while a message
-took 0.2 to 8 ms to cross the process boundary (0.05 to 3 ms between threads). `benchmarks/engine_core.py`
-measures the same three figures for SmolLM2, where the matrix multiplications weigh more.
+took 0.2 to 8 ms to cross the process boundary (0.05 to 3 ms between threads). With SmolLM2 (fp32, 32 streaming
+callers, prompts of ~64 tokens and 64 output tokens each; `python -m benchmarks.engine_core` on a 2-core AMD EPYC
+with AVX-512, 2026-11-23, run alone): a step took 181 ms (median) with the core in a process, 242 ms in a thread
+and 225 ms in the offline loop with no front end at all; output tokens/s were 1.10× the offline loop's in a
+process and 0.92× in a thread — the process serves 1.19× the thread's tokens/s. (That the process beats the
+offline loop by 10% we do not fully explain; it held with one torch thread too, 1.06×.)
 
 Threads inside the core: the child keeps torch's default, one intra-op thread per core, since its forward pass
-is the work that needs the cores; the front end does no tensor work. On a machine busier than its core count,
+is the work that needs the cores; the front end does no tensor work. (Measured as above: with one torch thread
+instead of two, every path lost 15–25% of its tokens/s.) On a machine busier than its core count,
 torch's OpenMP threads wait on each other (a step of the tiny model went from about 1.3 ms to 5 to 500 ms with
 two threads on two oversubscribed cores); `OMP_NUM_THREADS=1` in the environment then restores it.
 

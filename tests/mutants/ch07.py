@@ -23,7 +23,7 @@ T = TypeVar("T")
 
 
 def _loop(core: EngineCore, input_queue: MessageQueue, output_queue: MessageQueue, parent_alive: Callable[[], bool],
-          *, drain: bool = True, report_idle: bool = True, block: bool = True, stop_when_busy: bool = True,
+          *, drain_one: bool = False, report_idle: bool = True, block: bool = True, stop_when_busy: bool = True,
           watch_parent: bool = True) -> None:
     """The reference loop, with switches for what the mutants below get wrong."""
     while True:
@@ -38,33 +38,23 @@ def _loop(core: EngineCore, input_queue: MessageQueue, output_queue: MessageQueu
                 continue
             if not core.handle(message, output_queue):
                 return
-        while drain:
+        while True:
             try:
                 message = input_queue.get(block=False)
             except queue.Empty:
                 break
             if not core.handle(message, output_queue) and stop_when_busy:
                 return
+            if drain_one:
+                break
         if core.engine.has_unfinished_requests():
             output_queue.put(core.step())
 
 
 def run_busy_loop_one_message_per_step(core: EngineCore, input_queue: MessageQueue, output_queue: MessageQueue,
                                        parent_alive: Callable[[], bool]) -> None:
-    """Steps as soon as one message is in: requests that arrived together join over several steps."""
-    while True:
-        try:
-            message = input_queue.get(timeout=IDLE_POLL_SECONDS)
-            if not core.handle(message, output_queue):
-                return
-        except queue.Empty:
-            if not core.engine.has_unfinished_requests():
-                if not parent_alive():
-                    return
-                core.report_idle(output_queue)
-                continue
-        if core.engine.has_unfinished_requests():
-            output_queue.put(core.step())
+    """Takes at most one waiting message before each step: requests that arrived together join over several steps."""
+    _loop(core, input_queue, output_queue, parent_alive, drain_one=True)
 
 
 def run_busy_loop_never_reports_idle(core: EngineCore, input_queue: MessageQueue, output_queue: MessageQueue,
@@ -296,7 +286,7 @@ MUTANTS = {
 CAPSTONE_MUTANTS = {
     "run_busy_loop": "run_busy_loop_never_reports_idle",
     "merge_delta": "merge_delta_keeps_the_newest",
-    "RequestOutputCollector": "collector_never_clears",
+    "RequestOutputCollector": "collector_never_wakes",
     "until_disconnected": "until_disconnected_never_cancels",
     "serving_metrics": "serving_metrics_tpot_over_every_token",
 }
