@@ -30,10 +30,10 @@ from solutions.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from solutions.entrypoints.openai.serving_engine import (
-    SSE_DONE,
     OpenAIServing,
     finish_reason_of,
     sse_event,
+    sse_events,
     token_text,
     usage_of,
 )
@@ -96,12 +96,10 @@ class OpenAIServingChat(OpenAIServing):
             usage=usage_of(len(final.prompt_token_ids), num_generated),
         )
 
-    async def stream_events(
+    def stream_events(
         self, request: ChatCompletionRequest, request_id: str, created: int, first: RequestOutput,
         outputs: AsyncGenerator[RequestOutput, None],
     ) -> AsyncGenerator[str, None]:
-        num_generated = 0
-
         def chunk(choice: ChatStreamChoice | None, usage: UsageInfo | None = None) -> str:
             choices = [] if choice is None else [choice]
             return sse_event(ChatCompletionChunk(
@@ -109,26 +107,21 @@ class OpenAIServingChat(OpenAIServing):
             ))
 
         def events(output: RequestOutput) -> list[str]:
-            nonlocal num_generated
-            chunks = []
-            for completion in output.outputs:
-                num_generated += len(completion.token_ids)
-                if not completion.token_ids and completion.finish_reason is None:
-                    continue
-                chunks.append(chunk(ChatStreamChoice(
+            return [
+                chunk(ChatStreamChoice(
                     index=completion.index, delta=DeltaMessage(content=completion.text),
                     logprobs=self.logprobs(request, completion),
                     finish_reason=finish_reason_of(completion), stop_reason=completion.stop_reason,
-                )))
-            return chunks
+                ))
+                for completion in output.outputs
+                if completion.token_ids or completion.finish_reason is not None
+            ]
 
-        for index in range(request.n):
-            yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
-        for event in events(first):
-            yield event
-        async for output in outputs:
-            for event in events(output):
-                yield event
-        if request.include_usage:
-            yield chunk(None, usage_of(len(first.prompt_token_ids), num_generated))
-        yield SSE_DONE
+        def usage_event(num_generated: int) -> str:
+            return chunk(None, usage_of(len(first.prompt_token_ids), num_generated))
+
+        roles = [  # each sample's first chunk names the speaker
+            chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
+            for index in range(request.n)
+        ]
+        return sse_events(first, outputs, events, usage_event if request.include_usage else None, opening=roles)

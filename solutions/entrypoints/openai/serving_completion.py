@@ -20,10 +20,10 @@ from solutions.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from solutions.entrypoints.openai.serving_engine import (
-    SSE_DONE,
     OpenAIServing,
     finish_reason_of,
     sse_event,
+    sse_events,
     token_text,
     usage_of,
 )
@@ -71,12 +71,11 @@ class OpenAIServingCompletion(OpenAIServing):
             usage=usage_of(len(final.prompt_token_ids), num_generated),
         )
 
-    async def stream_events(
+    def stream_events(
         self, request: CompletionRequest, request_id: str, created: int, first: RequestOutput,
         outputs: AsyncGenerator[RequestOutput, None],
     ) -> AsyncGenerator[str, None]:
         text_offsets = [0] * request.n  # per sample: where its next token's text starts (for logprobs)
-        num_generated = 0
 
         def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
             return sse_event(CompletionResponse(
@@ -84,10 +83,8 @@ class OpenAIServingCompletion(OpenAIServing):
             ))
 
         def events(output: RequestOutput) -> list[str]:
-            nonlocal num_generated
             chunks = []
             for completion in output.outputs:
-                num_generated += len(completion.token_ids)
                 if not completion.token_ids and completion.finish_reason is None:
                     continue
                 choice = self.choice(completion, text_offsets[completion.index])
@@ -95,11 +92,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 chunks.append(chunk([choice]))
             return chunks
 
-        for event in events(first):
-            yield event
-        async for output in outputs:
-            for event in events(output):
-                yield event
-        if request.include_usage:
-            yield chunk([], usage_of(len(first.prompt_token_ids), num_generated))
-        yield SSE_DONE
+        def usage_event(num_generated: int) -> str:
+            return chunk([], usage_of(len(first.prompt_token_ids), num_generated))
+
+        return sse_events(first, outputs, events, usage_event if request.include_usage else None)

@@ -23,7 +23,7 @@ import functools
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from http import HTTPStatus
 from typing import TypeVar
 
@@ -99,6 +99,25 @@ def sse_event(payload: BaseModel | str) -> str:
 
 
 SSE_DONE = sse_event("[DONE]")  # OpenAI's end-of-stream marker
+
+
+async def sse_events(
+    first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None], events: Callable[[RequestOutput], list[str]],
+    usage_event: Callable[[int], str] | None, opening: Sequence[str] = (),
+) -> AsyncGenerator[str, None]:
+    """A streamed response's events: `opening`, then `events(output)` for `first` and every later output, then
+    (if asked) `usage_event(tokens generated)`, then `data: [DONE]`. Each endpoint says how one output looks."""
+    for event in opening:
+        yield event
+    num_generated, output = 0, first
+    while output is not None:
+        num_generated += sum(len(completion.token_ids) for completion in output.outputs)
+        for event in events(output):
+            yield event
+        output = await anext(outputs, None)
+    if usage_event is not None:
+        yield usage_event(num_generated)
+    yield SSE_DONE
 
 
 async def engine_errors_as_events(events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
