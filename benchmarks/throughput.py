@@ -1,24 +1,32 @@
 """Throughput of continuous batching against the baselines a user would reach for, side by side in one run.
 
-    python -m benchmarks.throughput              # workload W64, a table (about 10–15 minutes on 2 cores)
-    python -m benchmarks.throughput --quick      # W16 with short lengths, under two minutes
+    python -m benchmarks.throughput              # workload W64, a table (about 20 minutes on 2 cores)
+    python -m benchmarks.throughput --quick      # W16 with short lengths, a few minutes
     python -m benchmarks.throughput --json       # one JSON object (the table's figures)
-    python -m benchmarks.throughput --save chapters/05_continuous_batching/throughput.json
+    python -m benchmarks.throughput --save chapters/05_continuous_batching/throughput_cpu.json
+    python -m benchmarks.throughput --vllm-python VENV/bin/python --vllm-preload TCMALLOC:VENV/lib/libiomp5.so
     python -m benchmarks.throughput --device cuda   # W64 on a GPU (prints "skipped: no GPU" and exits 0 without)
 
-Workload W64 (seeded): 64 requests, prompts of random token ids with lengths uniform in [16, 256], outputs
-uniform in [16, 256], EOS ignored. Useful tokens = the requested output tokens; a baseline that generates more
-(a static batch runs to its longest request) gets no credit for the extra. Every system runs SmolLM2-135M in
-fp32 on this machine's cores, one after the other, so the ratios compare like with like:
+Workload W64 (`benchmarks/w64.py`, drawn the same way for every system, vLLM included): 64 requests, prompts of
+random token ids with lengths uniform in [16, 256], outputs uniform in [16, 256], EOS ignored. Useful tokens =
+the requested output tokens; a baseline that generates more (a static batch runs to its longest request) gets no
+credit for the extra. Every system runs SmolLM2-135M in fp32 on this machine's cores, one after the other, so
+the ratios compare like with like:
 
-- engine:           this course's engine, continuous batching (`LLM.generate`, max_num_seqs 64);
-- hf_generate:      Hugging Face `generate`, static batches of 32 with left padding, each batch to its longest;
-- hf_generate_batch: Hugging Face continuous batching (`ContinuousBatchingManager`), per-request max_new_tokens;
-- static_paged:     chapter 3's static paged loop (one batch of all 64, run to the longest).
+- engine, torch backend, eager:      chapter 5's engine (`LLM.generate`, max_num_seqs 64), as the chapters build it;
+- engine, inductor backend, eager:   the same with decode attention that reads the paged cache in place;
+- engine, inductor backend, compiled: that, and the forward pass compiled by `torch.compile` (weights frozen and
+                                     pre-packed for oneDNN); its compile time, at start-up, is printed, not timed;
+- HF generate:                       Hugging Face `generate`, static batches of 32 with left padding, each to its longest;
+- HF continuous batching:            Hugging Face's `ContinuousBatchingManager`, per-request max_new_tokens;
+- chapter 3 static paged loop:       one batch of all 64, run to the longest;
+- vLLM's CPU build:                  `benchmarks/vllm_cpu.py` in vLLM's own venv (`--vllm-python`), with the
+                                     settings its CPU docs recommend; without the option the row says skipped.
 
 The roofline: the machine's fp32 matmul rate bounds decode, since every generated token costs at least
 2 × (weights it multiplies) FLOPs. `roofline_fraction` = that per-token cost × engine tokens/s ÷ matmul FLOP/s,
-over the whole workload (prefill and the tail included in the time, not in the numerator).
+over the whole workload (prefill and the tail included in the time, not in the numerator). Then the decode step
+time with exactly N sequences of context L running, before (torch, eager) and after (the fast path).
 
 On a GPU (`--device cuda`, `--dtype`, default bfloat16), the same W64, one system after the other:
 
@@ -38,6 +46,9 @@ by the GPU; a graph replay removes most of it. One table, saved as JSON (`--save
 import argparse
 import json
 import os
+import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -47,16 +58,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import numpy as np
 import torch
 
+from benchmarks.w64 import draw_workload
+
 MODEL = "smollm2-135m"
-
-
-def make_workload(num_requests: int, low: int, high: int, vocab_size: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
-    """Prompts of random token ids (ids below 100 avoided: SmolLM2's special tokens live there) and output lengths."""
-    rng = np.random.default_rng(seed)
-    prompt_lens = rng.integers(low, high + 1, num_requests)
-    output_lens = rng.integers(low, high + 1, num_requests).tolist()
-    prompts = [rng.integers(100, vocab_size, n).tolist() for n in prompt_lens]
-    return prompts, output_lens
 
 
 def matmul_gflops(m: int, k: int, n: int, seconds: float = 1.0) -> float:
@@ -76,12 +80,30 @@ def flops_per_token(model: torch.nn.Module) -> float:
     return 2.0 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
-def run_engine(prompts: list[list[int]], output_lens: list[int]) -> dict:
+REFERENCE = "engine, torch backend, eager (chapter 5)"
+FAST = "engine, inductor backend, compiled"
+ENGINES = {  # the engine three ways: as chapter 5 builds it, attention in place only, then compiled as well
+    REFERENCE: dict(enforce_eager=True),
+    "engine, inductor backend, eager": dict(attention_backend="inductor", enforce_eager=True),
+    FAST: dict(attention_backend="inductor"),
+}
+CURVES = (REFERENCE, FAST)  # the engines whose decode step cost is measured
+VLLM = "vLLM's CPU build (vllm-cpu 0.32.0)"
+
+
+def run_engine(prompts: list[list[int]], output_lens: list[int], **llm_kwargs) -> dict:
+    """The engine on the workload (after a warm-up), with `LLM` options: tok/s, the step ledger, the tokens.
+
+    `setup_seconds` is the construction (load, KV cache, and with the compiled path its compile); the compile
+    alone is `compile_seconds`."""
     from solutions import LLM, SamplingParams
     from solutions.engine.llm_engine import STEP_STAGES
 
+    start = time.perf_counter()
     # 2 GiB of KV cache: room for the cost curve's 64 sequences of 512 tokens (W64 itself needs under 1 GiB)
-    llm = LLM(model=MODEL, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=1024, kv_cache_memory_bytes=2**31)
+    llm = LLM(model=MODEL, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=1024, kv_cache_memory_bytes=2**31,
+              **llm_kwargs)
+    setup = time.perf_counter() - start
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up: first-call allocations
     engine = llm.llm_engine
@@ -93,8 +115,26 @@ def run_engine(prompts: list[list[int]], output_lens: list[int]) -> dict:
     breakdown = {stage: sum(s.seconds[stage] for s in steps) for stage in STEP_STAGES}
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert generated == sum(output_lens), "every request generates exactly its max_tokens (EOS ignored)"
+    compiled = engine.model_runner.compiled_forward
     return {"seconds": seconds, "useful_tokens": generated, "steps": len(steps), "breakdown": breakdown,
+            "setup_seconds": setup, "compile_seconds": compiled.compile_seconds if compiled else None,
             "model": llm.model, "outputs": [o.outputs[0].token_ids for o in outputs], "llm": llm}
+
+
+def run_vllm(python: str, preload: str | None, num_requests: int, low: int, high: int) -> dict:
+    """`benchmarks/vllm_cpu.py` in vLLM's venv, now: its tok/s and greedy tokens (the same draw of the workload)."""
+    script = Path(__file__).with_name("vllm_cpu.py")
+    dump = Path(os.environ.get("TMPDIR", "/tmp")) / "vllm_cpu_tokens.json"
+    env = {**os.environ, **({"LD_PRELOAD": preload} if preload else {})}
+    command = [python, str(script), "--requests", str(num_requests), "--low", str(low), "--high", str(high),
+               "--dump", str(dump)]
+    run = subprocess.run(command, env=env, capture_output=True, text=True)
+    found = re.search(r"vLLM-CPU W64: (\d+) useful tokens in ([\d.]+) s", run.stdout)
+    if run.returncode != 0 or not found:
+        sys.stderr.write(run.stdout[-3000:] + run.stderr[-3000:])
+        raise SystemExit(f"vLLM's run failed (exit {run.returncode}): {' '.join(command)}")
+    return {"useful_tokens": int(found[1]), "seconds": float(found[2]), "outputs": json.loads(dump.read_text()),
+            "preload": preload or "none"}
 
 
 def run_hf_generate(hf, prompts: list[list[int]], output_lens: list[int], pad_id: int, batch_size: int = 32,
@@ -266,7 +306,7 @@ def cuda_main(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     num_requests, low, high = (16, 16, 64) if args.quick else (64, 16, 256)
     tokenizer = load_tokenizer(MODEL)
-    prompts, output_lens = make_workload(num_requests, low, high, len(tokenizer))
+    prompts, output_lens = draw_workload(len(tokenizer), num_requests, low, high)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     systems: dict[str, dict] = {}
     curves: dict[str, list[dict]] = {}
@@ -333,6 +373,8 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the GPU comparison (W64)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16",
                         help="the GPU comparison's dtype (the CPU benchmark is float32)")
+    parser.add_argument("--vllm-python", help="the python of a venv with vLLM's CPU build: adds its row (CPU only)")
+    parser.add_argument("--vllm-preload", help="LD_PRELOAD for vLLM's run (its docs: tcmalloc, then libiomp5.so)")
     args = parser.parse_args()
     if args.device == "cuda":
         cuda_main(args)
@@ -344,59 +386,91 @@ def main() -> None:
     torch.manual_seed(0)
     num_requests, low, high = (16, 16, 64) if args.quick else (64, 16, 256)
     tokenizer = load_tokenizer(MODEL)
-    prompts, output_lens = make_workload(num_requests, low, high, len(tokenizer))
+    prompts, output_lens = draw_workload(len(tokenizer), num_requests, low, high)
     gflops = {"64x576x1536": matmul_gflops(64, 576, 1536), "1024x1024x1024": matmul_gflops(1024, 1024, 1024)}
+    running, contexts = ([1, 8, 32, 64], [128, 512]) if not args.quick else ([1, 8], [64])
 
-    engine = run_engine(prompts, output_lens)
+    engines = {}
+    for name, kwargs in ENGINES.items():
+        result = run_engine(prompts, output_lens, **kwargs)
+        if name in CURVES:
+            result["step_cost_curve"] = step_cost_curve(result["llm"], running, contexts)
+        model = result.pop("model")
+        del result["llm"]
+        engines[name] = result
     hf = hf_model(resolve_model(MODEL))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     hf_static = run_hf_generate(hf, prompts, output_lens, pad_id)
     hf_cb = run_hf_generate_batch(hf, prompts, output_lens)
-    static_paged = run_static_paged(engine["model"], prompts, output_lens)
-    curve = step_cost_curve(engine["llm"], [1, 8, 32, 64] if not args.quick else [1, 8], [128, 512] if not args.quick else [64])
+    static_paged = run_static_paged(model, prompts, output_lens)
+    vllm = run_vllm(args.vllm_python, args.vllm_preload, num_requests, low, high) if args.vllm_python else None
 
     def tok_s(result: dict) -> float:
         return result["useful_tokens"] / result["seconds"]
 
     peak = max(gflops.values())
-    roofline_tok_s = peak * 1e9 / flops_per_token(engine["model"])
-    breakdown = engine["breakdown"]
+    roofline_tok_s = peak * 1e9 / flops_per_token(model)
+    reference = engines[REFERENCE]
+    fast = engines[FAST]
+    systems = {name: tok_s(r) for name, r in engines.items()}
+    systems |= {"HF generate, static batches of 32": tok_s(hf_static),
+                "HF continuous batching (generate_batch)": tok_s(hf_cb),
+                "chapter 3 static paged loop": tok_s(static_paged)}
+    if vllm is not None:
+        systems[VLLM] = tok_s(vllm)
+    breakdown = reference["breakdown"]
     step_total = sum(breakdown.values())
     summary = {
         "workload": {"requests": num_requests, "prompt_len": [low, high], "output_len": [low, high],
                      "useful_tokens": sum(output_lens)},
-        "engine_tok_s": tok_s(engine),
+        "systems": systems,
+        "engine_tok_s": tok_s(reference),  # chapter 5's engine: the torch backend, eager
+        "fast_tok_s": tok_s(fast),
+        "vllm_tok_s": tok_s(vllm) if vllm else None,
         "hf_generate_tok_s": tok_s(hf_static),
         "hf_generate_batch_tok_s": tok_s(hf_cb),
         "static_paged_tok_s": tok_s(static_paged),
+        "compile_seconds": fast["compile_seconds"],
+        "setup_seconds": {name: r["setup_seconds"] for name, r in engines.items()},
+        "fast_tokens_equal_reference": fast["outputs"] == reference["outputs"],
+        "vllm_agreement": token_agreement(fast["outputs"], vllm["outputs"]) if vllm else None,
         "matmul_gflops": peak,
         "matmul_gflops_by_shape": gflops,
         "roofline_tok_s": roofline_tok_s,
-        "roofline_fraction": tok_s(engine) / roofline_tok_s,
-        "engine_steps": engine["steps"],
+        "roofline_fraction": tok_s(reference) / roofline_tok_s,
+        "fast_roofline_fraction": tok_s(fast) / roofline_tok_s,
+        "engine_steps": reference["steps"],
         "step_breakdown": {k: v / step_total for k, v in breakdown.items()},
-        "step_cost_curve": curve,
+        "step_cost_curve": reference["step_cost_curve"],
+        "fast_step_cost_curve": fast["step_cost_curve"],
     }
     if args.save:
         args.save.write_text(json.dumps(summary, indent=1) + "\n")
     if args.json:
         print(json.dumps(summary))
         return
-    best_hf = max(summary["hf_generate_tok_s"], summary["hf_generate_batch_tok_s"])
     print(f"workload: {num_requests} requests, prompts and outputs uniform in [{low}, {high}] tokens, "
           f"{sum(output_lens)} useful output tokens; SmolLM2-135M fp32, {torch.get_num_threads()} threads\n")
-    print(f"{'system':<44}{'tok/s':>8}{'× best HF':>11}")
-    for name, key in [("engine (continuous batching)", "engine_tok_s"), ("HF generate, static batches of 32", "hf_generate_tok_s"),
-                      ("HF continuous batching (generate_batch)", "hf_generate_batch_tok_s"),
-                      ("chapter 3 static paged loop", "static_paged_tok_s")]:
-        print(f"{name:<44}{summary[key]:8.1f}{summary[key] / best_hf:10.2f}×")
+    print(f"{'system':<48}{'tok/s':>8}{'× engine':>10}{'× fast':>8}")
+    for name, value in systems.items():
+        print(f"{name:<48}{value:8.1f}{value / summary['engine_tok_s']:9.2f}×{value / summary['fast_tok_s']:7.2f}×")
+    if vllm is None:
+        print(f"{VLLM:<48}skipped: pass --vllm-python (see benchmarks/vllm_cpu.py)")
+    else:
+        agreement = summary["vllm_agreement"]
+        print(f"\nvLLM's greedy tokens against the fast path's: {agreement['equal_tokens']:.1%} of positions equal, "
+              f"{agreement['identical_requests']} of {num_requests} requests identical (preload: {vllm['preload']})")
+    print(f"fast path's tokens equal the torch backend's: {summary['fast_tokens_equal_reference']}; "
+          f"compile {summary['compile_seconds']:.0f} s at start-up (not in tok/s)")
     print(f"\nmatmul fp32: {', '.join(f'{s} {g:.0f}' for s, g in gflops.items())} GFLOP/s; decode roofline "
-          f"{roofline_tok_s:.0f} tok/s at {flops_per_token(engine['model']) / 1e9:.2f} GFLOP/token; "
-          f"engine at {summary['roofline_fraction']:.0%} of it over the whole workload")
+          f"{roofline_tok_s:.0f} tok/s at {flops_per_token(model) / 1e9:.2f} GFLOP/token; engine at "
+          f"{summary['roofline_fraction']:.0%} of it over the whole workload, the fast path at "
+          f"{summary['fast_roofline_fraction']:.0%}")
     print("engine step breakdown: " + ", ".join(f"{k} {v:.1%}" for k, v in summary["step_breakdown"].items()))
-    print("\ndecode step cost: running × context → ms per step (ms per token)")
-    for row in curve:
-        print(f"  {row['running']:3d} × {row['context']:4d}: {row['step_ms']:7.1f} ms  ({row['ms_per_token']:.2f})")
+    print(f"\ndecode step cost: running × context → ms per step, {REFERENCE} | {FAST}")
+    for before, after in zip(summary["step_cost_curve"], summary["fast_step_cost_curve"], strict=True):
+        print(f"  {before['running']:3d} × {before['context']:4d}: {before['step_ms']:7.1f} ms | {after['step_ms']:7.1f} ms"
+              f"  ({before['step_ms'] / after['step_ms']:.2f}×)")
 
 
 if __name__ == "__main__":

@@ -71,9 +71,12 @@ class LLM:
     one prompt take the whole token budget of a step.
 
     `device` ("cpu" or "cuda") and `dtype` ("float32", "bfloat16", "float16"; the CPU takes the first two) say
-    where the weights, the KV cache and the activations live. With `attention_backend="triton"` on a GPU the
-    kernels compile natively and pure-decode steps replay CUDA graphs, one per batch-size bucket, unless
-    `enforce_eager=True` (the torch backend always runs eagerly; so does everything on the CPU).
+    where the weights, the KV cache and the activations live. `attention_backend` picks who attends: "torch"
+    (the default, chapters 3 and 5: plain PyTorch, always eager), "inductor" (the CPU's fast path: decode
+    attention that reads the paged cache in place, and the whole forward pass compiled with `torch.compile` at
+    start-up, about a minute) or "triton" (chapter 6's kernels: on a GPU they compile natively and pure-decode
+    steps replay CUDA graphs, one per batch-size bucket). `enforce_eager=True` turns the compiled forward pass
+    and the CUDA graphs off, as in vLLM.
 
     `kv_reservation` ("max", "pow2", "oracle") turns the engine into chapter 2's Orca baselines for comparisons:
     each request is admitted only with blocks for its whole reserved length, taken at once
@@ -122,6 +125,11 @@ class LLM:
         if kv_reservation is not None:
             reservation_policy(kv_reservation)  # ValueError naming the field, before the model loads
         self.device, self.dtype = resolve_device_and_dtype(device, dtype)
+        if attention_backend == "inductor" and self.device.type != "cpu":
+            raise ValueError(
+                "attention_backend='inductor' is the CPU's fast path (device='cpu'); on a GPU use "
+                "attention_backend='triton'"
+            )
         if attention_backend == "triton" and self.device.type == "cpu":
             import kernels
 

@@ -13,6 +13,7 @@ from grading.parity import assert_greedy_close
 from grading.tiny_models import hf_model, tiny_checkpoint
 from solutions import LLM, SamplingParams
 from solutions.attention.paged import AttentionMetadata, paged_attention, write_to_kv_cache
+from solutions.attention.inductor_backend import InductorAttentionBackend
 from solutions.attention.torch_backend import TorchAttentionBackend
 from solutions.attention.paged import KVCache
 from solutions.core.sequence import SequenceStatus
@@ -255,11 +256,12 @@ def test_aborting_an_unknown_request_id_names_it_and_changes_nothing():
     assert "known" in engine.requests  # the valid id in the same call was not aborted either
 
 
-# --- the batched attention path against chapter 3's per-sequence oracle ------------------------------------
+# --- the batched attention paths against chapter 3's per-sequence oracle ------------------------------------
 
 
+@pytest.mark.parametrize("backend_cls", [TorchAttentionBackend, InductorAttentionBackend], ids=["torch", "inductor"])
 @pytest.mark.parametrize("seed", range(4))
-def test_batched_backend_equals_per_sequence_paged_attention(seed):
+def test_batched_backend_equals_per_sequence_paged_attention(seed, backend_cls):
     g = torch.Generator().manual_seed(seed)
     num_blocks, block_size, Hkv, Hq, D = 40, 4, 2, 6, 8
     cache = KVCache([torch.randn(num_blocks, block_size, Hkv, D, generator=g)], [torch.randn(num_blocks, block_size, Hkv, D, generator=g)])
@@ -279,7 +281,7 @@ def test_batched_backend_equals_per_sequence_paged_attention(seed):
     oracle_cache = KVCache([cache.key_caches[0].clone()], [cache.value_caches[0].clone()])
     write_to_kv_cache(k, v, oracle_cache.key_caches[0], oracle_cache.value_caches[0], metadata.slot_mapping)
     expected = paged_attention(q, oracle_cache.key_caches[0], oracle_cache.value_caches[0], metadata, D**-0.5)
-    got = TorchAttentionBackend(cache, metadata).forward(0, q, k, v)
+    got = backend_cls(cache, metadata).forward(0, q, k, v)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 

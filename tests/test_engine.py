@@ -205,7 +205,7 @@ def test_invalid_sampling_params_name_the_field_and_the_allowed_values(field, va
 @pytest.mark.parametrize(
     "args,message",
     [
-        (dict(attention_backend="cuda"), "attention_backend must be one of ('torch', 'triton'), got 'cuda'"),
+        (dict(attention_backend="cuda"), "attention_backend must be one of ('torch', 'inductor', 'triton'), got 'cuda'"),
         (dict(block_size=0), "block_size must be a positive int, got 0"),
         (dict(max_num_seqs=-1), "max_num_seqs must be a positive int, got -1"),
         (dict(num_kv_blocks=0), "num_kv_blocks must be a positive int, got 0"),

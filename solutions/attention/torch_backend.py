@@ -52,7 +52,12 @@ def batched_decode_attention(
 
 
 class TorchAttentionBackend:
-    """Store the step's new K/V by slot mapping, then attend: decodes batched, prefills one by one."""
+    """Store the step's new K/V by slot mapping, then attend: decodes batched, prefills one by one.
+
+    `decode_attention` is the one step a subclass changes: `inductor_backend.py` attends in place.
+    """
+
+    decode_attention = staticmethod(batched_decode_attention)
 
     def __init__(self, kv_cache: KVCache, metadata: AttentionMetadata) -> None:
         """`metadata` on the host; what the ops index with is copied here, once per step, to the cache's device."""
@@ -76,7 +81,7 @@ class TorchAttentionBackend:
         scale = q.shape[-1] ** -0.5
         out = torch.empty_like(q)
         if self.decodes:
-            out[self.decode_rows] = batched_decode_attention(
+            out[self.decode_rows] = self.decode_attention(
                 q[self.decode_rows], key_cache, value_cache, self.decode_block_tables, self.decode_seq_lens, scale
             )
         starts, seq_lens = self.query_starts, self.seq_lens

@@ -75,6 +75,13 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary_emb) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions (T,) -> final hidden states (T, D_model)."""
+        hidden = self.embed_tokens(input_ids)  # (T, D_model)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, backend)
+        return self.norm(hidden)  # (T, D_model)
+
 
 class LlamaForCausalLM(nn.Module):
     """Embeddings -> decoder layers -> final norm; `compute_logits` applies the LM head separately,
@@ -91,10 +98,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         """input_ids, positions (T,) -> final hidden states (T, D_model)."""
-        hidden = self.model.embed_tokens(input_ids)  # (T, D_model)
-        for layer in self.model.layers:
-            hidden = layer(positions, hidden, backend)
-        return self.model.norm(hidden)  # (T, D_model)
+        return self.model(input_ids, positions, backend)  # (T, D_model)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

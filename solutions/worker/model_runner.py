@@ -9,7 +9,8 @@ token. For sequence b the new tokens are `token_ids[c_b : c_b + n_b]`, where `c_
 The metadata is built on the host; `execute_model` runs where the model's weights are (CPU or GPU, in their
 dtype): the KV cache is allocated there, token ids and positions are copied there, and the attention backend
 copies the metadata it indexes with. On a GPU with the Triton backend, pure-decode steps replay CUDA graphs
-(`solutions/worker/cuda_graph.py`) unless `enforce_eager`.
+(`solutions/worker/cuda_graph.py`) unless `enforce_eager`; on the CPU with the inductor backend, every step runs
+one compiled graph (`solutions/worker/compiled_forward.py`), compiled at start-up, unless `enforce_eager`.
 
 Where this lives in vLLM: `vllm/v1/worker/gpu_model_runner.py` (`_prepare_inputs`, `execute_model`).
 """
@@ -24,7 +25,7 @@ from solutions.core.block_manager import slot_mapping
 from solutions.core.sched.output import SchedulerOutput
 from solutions.model.llama import LlamaForCausalLM
 
-ATTENTION_BACKENDS = ("torch", "triton")
+ATTENTION_BACKENDS = ("torch", "inductor", "triton")
 
 
 def prepare_inputs(
@@ -75,7 +76,17 @@ class ModelRunner:
         self.device, self.dtype = weight.device, weight.dtype
         self.kv_cache = KVCache.allocate(model.config, num_blocks, block_size, dtype=self.dtype, device=self.device)
         self.cuda_graphs = None
-        if attention_backend == "triton":
+        self.compiled_forward = None
+        if attention_backend == "inductor":
+            from solutions.attention.inductor_backend import InductorAttentionBackend  # compiles on first use
+
+            self.backend_cls = InductorAttentionBackend
+            if not enforce_eager:
+                from solutions.worker.compiled_forward import CompiledForward
+
+                self.compiled_forward = CompiledForward(model)
+                self.warm_up()
+        elif attention_backend == "triton":
             from solutions.attention.triton_backend import TritonAttentionBackend  # imports Triton only when asked
 
             self.backend_cls = TritonAttentionBackend
@@ -97,17 +108,41 @@ class ModelRunner:
         if scheduler_output.blocks_to_copy:
             copy_blocks(self.kv_cache, scheduler_output.blocks_to_copy)
         input_ids, positions, metadata = prepare_inputs(scheduler_output, self.block_size)  # on the host
+        last_rows = metadata.query_start_loc[1:] - 1  # (B,) row of each sequence's last new token
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(metadata):  # a pure decode: replay
             prepared = time.perf_counter()
             hidden = self.cuda_graphs.run(input_ids, positions, metadata)  # (B, D_model), B == T
+            logits = self.model.compute_logits(hidden[last_rows])  # (B, V)
         else:
             backend = self.backend_cls(self.kv_cache, metadata)  # copies the metadata it needs to the device
             input_ids, positions = input_ids.to(self.device), positions.to(self.device)  # (T,), (T,)
             prepared = time.perf_counter()
-            hidden = self.model(input_ids, positions, backend)  # (T, D_model)
-        last_rows = metadata.query_start_loc[1:] - 1  # (B,) row of each sequence's last new token
-        logits = self.model.compute_logits(hidden[last_rows])  # (B, V)
+            if self.compiled_forward is not None:
+                logits = self.compiled_forward(input_ids, positions, last_rows.to(self.device), backend)  # (B, V)
+            else:
+                hidden = self.model(input_ids, positions, backend)  # (T, D_model)
+                logits = self.model.compute_logits(hidden[last_rows])  # (B, V)
         if seconds is not None:
             seconds["prepare"] += prepared - start
             seconds["forward"] += time.perf_counter() - prepared
         return logits
+
+    def warm_up(self) -> None:
+        """Compile before the first request, as vLLM does at start-up: a step with a prefill of two tokens beside a
+        prefill of one (T != B, so the graph does not tie the two sizes), then a decode step, which compiles the
+        in-place decode attention. The dummy tokens are written to the first slots
+        of block 0, a free block: whatever a free block holds is overwritten before it is read."""
+        steps = [  # (token slots, query_start_loc, seq_lens, block tables)
+            ([0, 1, 16], [0, 2, 3], [2, 1], [[0], [1]]),
+            ([2, 17], [0, 1, 2], [3, 2], [[0], [1]]),
+        ]
+        for slots, starts, seq_lens, tables in steps:
+            metadata = AttentionMetadata(
+                slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts), seq_lens=torch.tensor(seq_lens),
+                block_tables=tables,
+            )
+            positions = torch.cat([torch.arange(n - (e - s), n) for s, e, n in zip(starts, starts[1:], seq_lens)])
+            input_ids = torch.zeros(len(slots), dtype=torch.long)
+            backend = self.backend_cls(self.kv_cache, metadata)
+            last_rows = metadata.query_start_loc[1:] - 1
+            self.compiled_forward(input_ids.to(self.device), positions.to(self.device), last_rows.to(self.device), backend)

@@ -1,0 +1,78 @@
+"""The engine's fast CPU backend: decode attention that reads the paged cache in place, compiled by inductor.
+
+The torch backend (`torch_backend.py`) copies every decoding sequence's context out of its blocks before it
+attends: per layer, one `index_select` writes a (Bd, L, Hkv, D) copy of the keys and one of the values, and
+SDPA then reads the copies. With 64 sequences of 512 tokens that is 50 MB written and read again per layer,
+1.5 GB per step — more memory traffic than the step's weights, and on a CPU memory traffic is the step's cost.
+
+Here the gather is written as indexing — slot (b, l) is `block_tables[b, l // block_size] * block_size +
+l % block_size` — inside the arithmetic that consumes it: scores as a sum of products over D, a masked
+softmax over the context, the output as a probability-weighted sum of values. Eagerly PyTorch would still
+materialise the gathered tensors; `torch.compile` (inductor, which emits C++ with OpenMP and SIMD on the CPU)
+fuses the indexing into the reductions, so each key and value is loaded from its block and used where it
+lies: one pass over the context, no copy. What chapter 6's Triton kernel does by hand, a compiler does here
+from eight lines of PyTorch.
+
+Prefills are as in the torch backend (SDPA on the new tokens, or a gather for a chunk with earlier context):
+few per step and large, their cost is their matmuls.
+
+Where this lives in vLLM: `vllm/v1/attention/backends/cpu_attn.py` (the CPU backend, with hand-written C++
+paged-attention kernels in `csrc/cpu/`).
+"""
+
+import torch
+
+from solutions.attention.torch_backend import TorchAttentionBackend
+
+
+def paged_decode_attention(
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """One query per sequence, q (Bd, Hq, D), over each sequence's paged context -> (Bd, Hq, D).
+
+    `block_tables` (Bd, max_blocks) int64, `seq_lens` (Bd,). Eager, this materialises the gathered K/V like the
+    torch backend does; compiled (`compiled_paged_decode_attention`), the gathers fuse into the reductions.
+    """
+    Bd, Hq, D = q.shape
+    block_size, Hkv = key_cache.shape[1], key_cache.shape[2]
+    group, max_blocks = Hq // Hkv, block_tables.shape[1]  # query heads per KV head (GQA); blocks per table
+    keys = key_cache[block_tables]  # (Bd, max_blocks, block_size, Hkv, D): fused into the next line when compiled
+    values = value_cache[block_tables]  # (Bd, max_blocks, block_size, Hkv, D)
+    q = q.view(Bd, 1, 1, Hkv, group, D)
+    scores = (q * keys[..., None, :]).sum(-1) * scale  # (Bd, max_blocks, block_size, Hkv, group)
+    scores = scores.view(Bd, max_blocks * block_size, Hkv, group)  # position l = block l // bs, slot l % bs
+    past_end = torch.arange(max_blocks * block_size, device=q.device)[None, :] >= seq_lens[:, None]  # (Bd, L)
+    probs = scores.masked_fill(past_end[:, :, None, None], float("-inf")).softmax(dim=1)  # over the context
+    probs = probs.view(Bd, max_blocks, block_size, Hkv, group)
+    out = (probs[..., None] * values[..., None, :]).sum((1, 2))  # (Bd, Hkv, group, D)
+    return out.reshape(Bd, Hq, D)
+
+
+_compiled = torch.compile(paged_decode_attention, dynamic=True)
+
+
+def compiled_paged_decode_attention(
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """`paged_decode_attention`, compiled on first call for every batch and context (dynamic shapes).
+
+    PyTorch compiles a size of 1 as a constant, so a lone decoding sequence, or a table of one block, would each
+    cost a compile of their own; they are padded to two rows (the extra row reads one slot of block 0 and is
+    dropped) and two columns (block 0 again, past every sequence's end, so masked).
+    """
+    Bd = q.shape[0]
+    if Bd < 2:
+        q = torch.cat([q, q.new_zeros(2 - Bd, *q.shape[1:])])
+        block_tables = torch.cat([block_tables, block_tables.new_zeros(2 - Bd, block_tables.shape[1])])
+        seq_lens = torch.cat([seq_lens, seq_lens.new_ones(2 - Bd)])
+    if block_tables.shape[1] < 2:
+        block_tables = torch.cat([block_tables, block_tables.new_zeros(block_tables.shape[0], 2 - block_tables.shape[1])], 1)
+    return _compiled(q, key_cache, value_cache, block_tables, seq_lens, scale)[:Bd]
+
+
+class InductorAttentionBackend(TorchAttentionBackend):
+    """The torch backend with its decodes attended in place (`compiled_paged_decode_attention`)."""
+
+    decode_attention = staticmethod(compiled_paged_decode_attention)

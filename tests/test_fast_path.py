@@ -1,0 +1,115 @@
+"""The CPU's fast path (`attention_backend="inductor"`): decode attention that reads the paged cache in place,
+and the forward pass compiled once for every step — the same tokens as the reference engine and as Hugging Face,
+under preemption, chunked prefill and prefix caching, with no compile after start-up."""
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo
+
+from grading.parity import assert_greedy_close
+from grading.tiny_models import hf_model, tiny_checkpoint
+from solutions import LLM, SamplingParams
+from solutions.attention.inductor_backend import compiled_paged_decode_attention, paged_decode_attention
+from solutions.attention.torch_backend import batched_decode_attention
+from solutions.model.loader import resolve_model
+
+NEW_TOKENS = 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+# Every scheduling path in one engine: preemption (KV for a few sequences), prompts chunked beside decodes,
+# prefix-cache hits (a shared head), and steps of one token as the last requests finish.
+HARD = dict(block_size=8, num_kv_blocks=60, max_num_batched_tokens=32, long_prefill_token_threshold=16, max_num_seqs=8,
+            max_model_len=256)
+
+
+@functools.cache
+def hf_oracle(folder: Path) -> torch.nn.Module:
+    return hf_model(folder)
+
+
+@functools.cache
+def hf_greedy(folder: Path, prompt: tuple[int, ...]) -> list[int]:
+    with torch.inference_mode():
+        out = hf_oracle(folder).generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
+    return out[0, len(prompt) :].tolist()
+
+
+def prompts_with_a_shared_head(count: int, vocab_size: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(100, vocab_size, (24,), generator=g).tolist()
+    prompts = []
+    for i in range(count):
+        own = torch.randint(100, vocab_size, (int(torch.randint(1, 60, (1,), generator=g)),), generator=g).tolist()
+        prompts.append(shared + own if i % 3 == 0 else own)
+    return prompts
+
+
+# --- the in-place decode attention --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "num_seqs, max_blocks, block_size, num_kv_heads, group",
+    [(5, 4, 4, 2, 3), (1, 1, 4, 2, 3), (1, 6, 8, 1, 4), (7, 1, 16, 3, 3), (3, 9, 2, 4, 1)],
+    ids=["batch", "one-seq-one-block", "one-seq-mqa", "one-block-each", "mha"],
+)
+def test_in_place_decode_attention_equals_the_gather_then_sdpa(num_seqs, max_blocks, block_size, num_kv_heads, group):
+    g = torch.Generator().manual_seed(num_seqs * 100 + max_blocks)
+    num_blocks, D = num_seqs * max_blocks + 3, 16
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, D, generator=g)
+    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, D, generator=g)
+    block_tables = torch.randperm(num_blocks, generator=g)[: num_seqs * max_blocks].view(num_seqs, max_blocks)
+    seq_lens = torch.randint(1, max_blocks * block_size + 1, (num_seqs,), generator=g)
+    q = torch.randn(num_seqs, num_kv_heads * group, D, generator=g)
+    expected = batched_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, D**-0.5)
+    for attend in (paged_decode_attention, compiled_paged_decode_attention):
+        got = attend(q, key_cache, value_cache, block_tables, seq_lens, D**-0.5)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+# --- the compiled forward pass ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["llama-gqa", "qwen2-bias-mqa"])
+def test_compiled_fast_path_equals_hugging_face_and_compiles_only_at_start_up(model):
+    folder = tiny_checkpoint(model)
+    llm = LLM(model=str(folder), attention_backend="inductor", **HARD)
+    compiled = llm.llm_engine.model_runner.compiled_forward
+    assert compiled is not None and compiled.compile_seconds > 0, "the forward pass compiles at start-up"
+    at_start = compiled.compile_seconds
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    prompts = prompts_with_a_shared_head(18, 256, seed=4)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert_greedy_close(output.outputs[0].token_ids, hf_greedy(folder, tuple(prompt)), prompt, hf_oracle(folder))
+    engine = llm.llm_engine
+    assert engine.scheduler.num_preemptions > 0, "the KV budget forces preemptions"
+    assert engine.kv_cache_manager.prefix_cache_stats.hits > 0, "the shared head is found in the prefix cache"
+    sizes = {s.num_prefill_tokens + s.num_decode_tokens for s in engine.stats.steps}
+    assert 1 in sizes and len(sizes) > 5, "steps of one token and of many sizes ran"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "no step compiled a new graph"
+    assert compiled.compile_seconds == at_start
+    assert engine.kv_cache_manager.num_used_blocks == 0
+
+
+def test_enforce_eager_keeps_the_eager_forward_with_in_place_attention():
+    folder = tiny_checkpoint("llama-gqa")
+    eager = LLM(model=str(folder), attention_backend="inductor", enforce_eager=True, **HARD)
+    reference = LLM(model=str(folder), **HARD)
+    assert eager.llm_engine.model_runner.compiled_forward is None
+    prompts = prompts_with_a_shared_head(10, 256, seed=5)
+    ours = [o.outputs[0].token_ids for o in eager.generate(prompts, GREEDY, use_tqdm=False)]
+    theirs = [o.outputs[0].token_ids for o in reference.generate(prompts, GREEDY, use_tqdm=False)]
+    assert ours == theirs
+
+
+def test_smollm2_fast_path_equals_hugging_face():
+    folder = resolve_model("smollm2-135m")
+    llm = LLM(model="smollm2-135m", attention_backend="inductor", **HARD)
+    texts = ["Once upon a time", "The capital of France is", "def fibonacci(n):", "Paged attention"]
+    prompts = [llm.tokenizer.encode(t) for t in texts] + prompts_with_a_shared_head(12, 49152, seed=6)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert_greedy_close(output.outputs[0].token_ids, hf_greedy(folder, tuple(prompt)), prompt, hf_oracle(folder))
+    assert llm.llm_engine.scheduler.num_preemptions > 0
