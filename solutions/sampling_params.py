@@ -1,10 +1,12 @@
 """How to sample one request: vLLM's `SamplingParams`, validated once, at the boundary.
 
-Where this lives in vLLM: `vllm/sampling_params.py`.
+Where this lives in vLLM: `vllm/sampling_params.py` (`SamplingParams`, `StructuredOutputsParams`).
 """
 
+import json
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 
 class RequestOutputKind(Enum):
@@ -28,6 +30,55 @@ def _is_number(value: object) -> bool:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """What the output must look like: exactly one of a JSON schema, any JSON object, a regular expression, a
+    list of choices, or a grammar in Lark syntax. The engine turns it into a token mask at every step
+    (`solutions/structured_output/`), so the output always conforms.
+    """
+
+    json: str | dict[str, Any] | None = None  # a JSON schema (a dict, or its JSON text)
+    json_object: bool = False  # any JSON object
+    regex: str | None = None  # the whole output matches this regular expression (Rust `regex` syntax)
+    choice: list[str] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # a context-free grammar in Lark syntax, with a `start` rule
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        if len(given) != 1:
+            raise ValueError(
+                "StructuredOutputsParams needs exactly one of json, json_object, regex, choice, grammar; "
+                f"got {given or 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise ValueError(f"StructuredOutputsParams.json must be a JSON schema (dict or str), got {type(self.json).__name__}")
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"StructuredOutputsParams.json_object must be True or False, got {self.json_object!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"StructuredOutputsParams.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None and (
+            not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError(f"StructuredOutputsParams.choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: "json", "json_object", "regex", "choice" or "grammar"."""
+        return "json_object" if self.json_object else next(
+            name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None
+        )
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, spec as text): the grammar cache's key. Key order is kept: a schema's property order is the
+        order the output writes them in."""
+        spec = {"json": self.json, "json_object": True, "regex": self.regex, "choice": self.choice, "grammar": self.grammar}[self.kind]
+        return self.kind, spec if isinstance(spec, str) else json.dumps(spec)
+
+
+@dataclass
 class SamplingParams:
     n: int = 1  # independent completions per prompt (parallel sampling)
     temperature: float = 1.0  # 0 means greedy: always the most likely token
@@ -41,6 +92,7 @@ class SamplingParams:
     seed: int | None = None  # per-request random seed: the same seed gives the same samples
     logprobs: int | None = None  # also return this many most likely tokens' log-probabilities per step
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output to a schema, regex, choice, grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,6 +115,10 @@ class SamplingParams:
         _require(self.seed is None or _is_int(self.seed), "seed", "None or an int", self.seed)
         _require(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0), "logprobs", "None or an int >= 0", self.logprobs)
         _require(isinstance(self.output_kind, RequestOutputKind), "output_kind", "a RequestOutputKind", self.output_kind)
+        _require(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs", "None or a StructuredOutputsParams", self.structured_outputs,
+        )
 
     @property
     def greedy(self) -> bool:

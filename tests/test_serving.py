@@ -7,6 +7,7 @@ One server (SmolLM2, the engine core in its own process) and one offline `LLM` s
 """
 
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -240,6 +241,12 @@ def test_client_that_times_out_on_a_whole_response_frees_its_blocks(server):
         ({"prompt": None}, 400, "prompt"),
         ({"stream_options": {"include_usage": True}}, 400, "stream_options"),  # without stream: true
         ({"model": "gpt-4"}, 404, "model"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+         400, "response_format"),  # a schema that does not compile
+        ({"response_format": {"type": "json_schema"}}, 400, "response_format"),  # no schema
+        ({"guided_regex": "(unclosed"}, 400, "guided_regex"),
+        ({"structured_outputs": {"choice": []}}, 400, "structured_outputs"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, 400, "guided_choice"),  # two constraints at once
     ],
     ids=lambda value: json.dumps(value)[:40] if isinstance(value, dict) else str(value),
 )
@@ -253,6 +260,38 @@ def test_bad_completion_requests_are_refused_naming_the_field(server, body, stat
     assert got["error"]["code"] == status
     assert got["error"]["type"] == {400: "BadRequestError", 404: "NotFoundError"}[status]
     assert param in got["error"]["message"] or status == 404
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_output_through_every_request_field(client):
+    """OpenAI's `response_format` (a schema, any object) on chat, vLLM's fields on completions: each output
+    conforms, sampled at temperature 1."""
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Invent a person."}], temperature=1.0, seed=1, max_tokens=48,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+    )
+    person = json.loads(chat.choices[0].message.content)
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int) and 0 <= person["age"] <= 120
+    assert chat.choices[0].finish_reason == "stop"
+    anything = client.chat.completions.create(model=MODEL, messages=CONVERSATION, temperature=1.0, seed=2,
+                                              max_tokens=64, response_format={"type": "json_object"})
+    if anything.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    else:
+        assert anything.choices[0].message.content.startswith("{")
+    choice = client.completions.create(model=MODEL, prompt=PROMPT, temperature=1.0, seed=3, max_tokens=8,
+                                       extra_body={"guided_choice": ["Paris", "Lyon"]})
+    assert choice.choices[0].text in ("Paris", "Lyon")
+    digits = client.completions.create(model=MODEL, prompt=PROMPT, temperature=1.0, seed=4, max_tokens=8,
+                                       extra_body={"structured_outputs": {"regex": "[0-9]{4}"}})
+    assert re.fullmatch("[0-9]{4}", digits.choices[0].text)
 
 
 def test_bad_chat_requests_name_the_chat_field(client):

@@ -142,7 +142,7 @@ class AsyncLLM:
         self.processor = Processor(
             self.tokenizer, vocab_size=ready.vocab_size, max_model_len=ready.max_model_len,
             num_blocks=ready.num_kv_blocks, block_size=ready.block_size, seed=ready.seed,
-            max_num_seqs=ready.max_num_seqs,
+            max_num_seqs=ready.max_num_seqs, eos_token_id=ready.eos_token_id,
         )
         self.stat_logger = PrometheusStatLogger(model)
         self.stat_loggers: list[StatLogger] = [self.stat_logger]  # each gets every message's stats

@@ -9,8 +9,8 @@ A step (`engine_step`, at the bottom) is three stages, each owned by one object:
     schedule     Scheduler.schedule()            which sequences compute how many tokens (and what is preempted);
                                                   advances their computed tokens, forks `n > 1` samples
     execute      ModelRunner.execute_model()      one forward pass over the flattened batch → logits
-    postprocess  pick the rows of the sequences that sample, sample, check stops, free the finished,
-                 detokenise (OutputProcessor)
+    postprocess  pick the rows of the sequences that sample, mask them by their grammars (structured output),
+                 sample, check stops, free the finished, detokenise (OutputProcessor)
 
 Where this lives in vLLM: `vllm/v1/engine/llm_engine.py` (`add_request`, `step`, `abort_request`), with the
 engine core's step in `vllm/v1/engine/core.py` (`EngineCore.step`) and `Scheduler.update_from_output`.
@@ -37,6 +37,7 @@ from solutions.model.llama import LlamaForCausalLM
 from solutions.outputs import FinishReason, RequestOutput
 from solutions.sample.sampler import SamplerOutput, sample
 from solutions.sampling_params import SamplingParams
+from solutions.structured_output import StructuredOutputGrammar, apply_token_bitmask
 from solutions.worker.model_runner import ModelRunner
 
 _FINISH_REASONS = {
@@ -96,8 +97,9 @@ class LLMEngine:
         self.block_size, self.max_model_len = block_size, max_model_len
         self.processor = Processor(
             tokenizer, vocab_size=model.config.vocab_size, max_model_len=max_model_len, num_blocks=num_kv_blocks,
-            block_size=block_size, seed=seed, max_num_seqs=max_num_seqs,
+            block_size=block_size, seed=seed, max_num_seqs=max_num_seqs, eos_token_id=model.config.eos_token_id,
         )
+        self.structured_output_manager = self.processor.structured_output_manager
         self.kv_reservation = kv_reservation  # None: paged; "max" / "pow2" / "oracle": Orca's whole-length admission
         if kv_reservation is None:
             self.kv_cache_manager = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
@@ -204,6 +206,8 @@ class LLMEngine:
             for sample in samples:
                 self._owner[sample.seq_id] = (state, len(state.request.seqs))
                 state.request.seqs.append(sample)
+        grammars = [g for seq in sampling_seqs(scheduler_output) if (g := self._grammar(seq)) is not None]
+        self.structured_output_manager.submit_bitmask(grammars)  # filled while the forward pass runs
         self._seconds["schedule"] += time.perf_counter() - start
         return scheduler_output
 
@@ -221,6 +225,10 @@ class LLMEngine:
         owners = [self._owner[seq.seq_id] for seq in seqs]
         params = [state.request.params for state, _ in owners]
         generators = [state.request.generators[index] for state, index in owners]
+        grammars = [self._grammar(seq) for seq in seqs]
+        if any(grammar is not None for grammar in grammars):  # structured outputs: only what the grammars allow
+            bitmask = self.structured_output_manager.grammar_bitmask(grammars)  # (N, W): the fill submitted at schedule
+            logits = apply_token_bitmask(logits, bitmask)
         sampled = sample(logits, params, generators) if seqs else SamplerOutput([], [], [])
         self._seconds["sample"] += time.perf_counter() - start
         return sampled
@@ -241,7 +249,12 @@ class LLMEngine:
             token_id = sampled.sampled_token_ids[b]
             seq.append_token(token_id)
             stop_string = state.add_token(index, token_id, sampled.logprobs[b], sampled.sampled_logprobs[b])
+            grammar = self._grammar(seq)
+            if grammar is not None and not grammar.accept_tokens([token_id]):
+                raise RuntimeError(f"sequence {seq.seq_id} sampled token {token_id}, which its grammar's mask forbids")
             stopped = check_stop(seq, state.request.params, self.model.config.eos_token_id, self.max_model_len)
+            if stopped is None and grammar is not None and grammar.is_terminated():
+                stopped = (SequenceStatus.FINISHED_STOPPED, None)  # the output is complete
             if stop_string is not None:  # the text's stop string wins, as in vLLM: the text was cut there
                 stopped = (SequenceStatus.FINISHED_STOPPED, stop_string)
             if stopped is not None:
@@ -253,6 +266,11 @@ class LLMEngine:
         self._seconds["postprocess"] += time.perf_counter() - start
         self._record(scheduler_output, self._seconds)
         return outputs
+
+    def _grammar(self, seq: Sequence) -> StructuredOutputGrammar | None:
+        """The grammar constraining `seq`'s tokens, if its request has structured outputs."""
+        state, index = self._owner[seq.seq_id]
+        return None if state.request.grammars is None else state.request.grammars[index]
 
     def _finish_output(self, state: RequestState) -> RequestOutput | None:
         output = state.make_output()
@@ -276,6 +294,17 @@ class LLMEngine:
                 sum(scheduler_output.num_cached_tokens.values()), seconds,
             )
         )
+
+
+def sampling_seqs(scheduler_output: SchedulerOutput) -> list[Sequence]:
+    """The sequences that sample a token after this step: those whose tokens are all computed once it has run
+    (not a prompt chunk that is not the last), and the samples forked from them this step."""
+    return [
+        sample_seq
+        for seq in scheduler_output.scheduled_seqs
+        if seq.num_computed_tokens == seq.num_tokens
+        for sample_seq in [*scheduler_output.forked_seqs.get(seq.seq_id, []), seq]
+    ]
 
 
 def engine_step(engine: LLMEngine) -> list[RequestOutput]:

@@ -2,8 +2,8 @@
 
 Everything a caller can get wrong is checked here, once, before the request touches a queue: the prompt (a
 string is tokenised; token ids must be in the vocabulary; not empty; shorter than `max_model_len`), the
-sampling parameters (their own `__post_init__` checked the values; here what depends on the engine), the
-priority. So a bad request raises with the field named and never disturbs the requests already in flight.
+sampling parameters (their own `__post_init__` checked the values; here what depends on the engine, and a
+structured-output constraint is compiled, so a schema that does not compile is refused here), the priority. So a bad request raises with the field named and never disturbs the requests already in flight.
 
 Where this lives in vLLM: `vllm/v1/engine/processor.py` (`Processor.process_inputs`).
 """
@@ -16,12 +16,14 @@ from transformers import PreTrainedTokenizerBase
 from solutions.core.block_manager import cdiv
 from solutions.core.sequence import Sequence
 from solutions.sampling_params import SamplingParams
+from solutions.structured_output import StructuredOutputGrammar, StructuredOutputManager
 
 
 @dataclass
 class Request:
     """One prompt and the sequences serving it: one per sample, once its prompt is prefilled (for `n > 1` the
-    scheduler forks the first sequence then). `generators[i]` draws sample i's tokens."""
+    scheduler forks the first sequence then). `generators[i]` draws sample i's tokens; `grammars[i]`, for a
+    request with structured outputs, constrains them."""
 
     request_id: str
     prompt: str | None
@@ -31,14 +33,16 @@ class Request:
     arrival: int
     generators: list[torch.Generator]
     seqs: list[Sequence] = field(default_factory=list)
+    grammars: list[StructuredOutputGrammar] | None = None
 
 
 class Processor:
     def __init__(
         self, tokenizer: PreTrainedTokenizerBase | None, *, vocab_size: int, max_model_len: int, num_blocks: int,
-        block_size: int, seed: int, max_num_seqs: int | None = None,
+        block_size: int, seed: int, max_num_seqs: int | None = None, eos_token_id: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.structured_output_manager = StructuredOutputManager(tokenizer, vocab_size, eos_token_id)  # compiles
         self.max_num_seqs = max_num_seqs  # an n > 1 request runs its n samples at once: n may not exceed it
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.num_blocks, self.block_size, self.seed = num_blocks, block_size, seed
@@ -84,7 +88,9 @@ class Processor:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer, and this model folder has none; use stop_token_ids")
+        constraint = params.structured_outputs
+        grammars = None if constraint is None else self.structured_output_manager.grammar_init(constraint, params.n)
         # Unseeded requests draw from the engine's seed; a seeded request's i-th sample uses seed + i (as vLLM).
         seeds = [self.seed * 1_000_003 + arrival * 1_009 + i if params.seed is None else params.seed + i for i in range(params.n)]
         generators = [torch.Generator().manual_seed(s) for s in seeds]
-        return Request(request_id, text, token_ids, params, priority, arrival, generators)
+        return Request(request_id, text, token_ids, params, priority, arrival, generators, grammars=grammars)

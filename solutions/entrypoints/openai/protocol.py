@@ -1,5 +1,10 @@
 """The server's requests and responses, in OpenAI's JSON shapes, and the map from a request to `SamplingParams`.
 
+Structured output comes in OpenAI's `response_format` (`{"type": "json_schema", "json_schema": {"name": ...,
+"schema": {...}}}` or `{"type": "json_object"}`), or in vLLM's `structured_outputs` object (`json`, `regex`,
+`choice`, `grammar`) or its older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` fields; at
+most one of them per request.
+
 Requests are pydantic models, so a wrong type or a missing field is caught before the engine sees anything, with
 the field's name. Unlike vLLM (which accepts and ignores fields it does not know), a field that is not declared
 here is refused, as OpenAI's own API refuses an unrecognised argument: a typo such as `max_token` would otherwise
@@ -15,11 +20,11 @@ Where this lives in vLLM: `vllm/entrypoints/openai/protocol.py`.
 import re
 import time
 from http import HTTPStatus
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from solutions.sampling_params import RequestOutputKind, SamplingParams
+from solutions.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 class RequestError(ValueError):
@@ -47,6 +52,31 @@ class StreamOptions(OpenAIRequest):
     include_usage: bool = False  # one last chunk, with no choices, carrying the request's token counts
 
 
+class JsonSchemaFormat(OpenAIRequest):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # always strict here: the mask allows nothing the schema does not
+
+
+class ResponseFormat(OpenAIRequest):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsFields(OpenAIRequest):
+    """vLLM's `structured_outputs` request field: the keywords of `StructuredOutputsParams`."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+STRUCTURED_OUTPUT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
 class SamplingFields(OpenAIRequest):
     """The sampling fields both endpoints share; `None` means "the default", as in vLLM's server."""
 
@@ -62,6 +92,12 @@ class SamplingFields(OpenAIRequest):
     ignore_eos: bool = False  # vLLM's extension
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None  # OpenAI's structured output: a JSON schema or any JSON object
+    structured_outputs: StructuredOutputsFields | None = None  # vLLM's extension
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older names for the same
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stream_options")
     @classmethod
@@ -73,6 +109,37 @@ class SamplingFields(OpenAIRequest):
     def request_field(self, sampling_field: str) -> str:
         """The request field a `SamplingParams` field comes from (chat: `max_completion_tokens`, `top_logprobs`)."""
         return sampling_field
+
+    @property
+    def structured_output_field(self) -> str | None:
+        """The one request field that asks for structured output, if any."""
+        return next((name for name in STRUCTURED_OUTPUT_FIELDS if self._asks_for_structure(name)), None)
+
+    def _asks_for_structure(self, name: str) -> bool:
+        value = getattr(self, name)
+        return value is not None and not (name == "response_format" and value.type == "text")
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's constraint as `StructuredOutputsParams` (RequestError naming the field if it is bad)."""
+        given = [name for name in STRUCTURED_OUTPUT_FIELDS if self._asks_for_structure(name)]
+        if len(given) > 1:
+            raise RequestError(f"ask for structured output in one field, got {given}", param=given[1])
+        if not given:
+            return None
+        name = given[0]
+        value = getattr(self, name)
+        try:
+            if name == "response_format":
+                if value.type == "json_object":
+                    return StructuredOutputsParams(json_object=True)
+                if value.json_schema is None:
+                    raise ValueError('response_format of type "json_schema" needs a json_schema object')
+                return StructuredOutputsParams(json=value.json_schema.schema_)
+            if name == "structured_outputs":
+                return StructuredOutputsParams(**{k.rstrip("_"): v for k, v in vars(value).items()})
+            return StructuredOutputsParams(**{name.removeprefix("guided_"): value})
+        except ValueError as error:
+            raise RequestError(f"{name}: {error}", param=name) from error
 
     def _requested_max_tokens(self) -> int | None:
         raise NotImplementedError
@@ -87,6 +154,7 @@ class SamplingFields(OpenAIRequest):
         unset `max_tokens`. A bad value raises `RequestError` naming the request's field.
         """
         max_tokens = self._requested_max_tokens()
+        structured_outputs = self.structured_outputs_params()
         try:
             return SamplingParams(
                 n=self.n,
@@ -101,6 +169,7 @@ class SamplingFields(OpenAIRequest):
                 seed=self.seed,
                 logprobs=self._num_logprobs(),
                 output_kind=RequestOutputKind.DELTA,
+                structured_outputs=structured_outputs,
             )
         except ValueError as error:
             # SamplingParams names its field first: "SamplingParams.top_p must be in (0, 1], got 2".

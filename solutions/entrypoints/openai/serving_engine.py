@@ -219,9 +219,12 @@ class OpenAIServing(ABC):
             # The engine's messages name its own fields ("prompt_token_ids of request ... must lie in [0, 49152)",
             # "... could need 40 KV blocks ...; lower max_tokens"): map them onto this request's.
             fields = {"prompt": self.prompt_field, "prompt_token_ids": self.prompt_field, "stop": "stop", "n": "n",
-                      "max_tokens": request.request_field("max_tokens")}
+                      "max_tokens": request.request_field("max_tokens"),
+                      "StructuredOutputsParams": request.structured_output_field}  # a schema that does not compile
             named = field_named_in(str(error), list(fields))
-            raise RequestError(str(error), param=None if named is None else fields[named]) from error
+            param = None if named is None else fields[named]
+            message = f"{param}: {error}" if named == "StructuredOutputsParams" else str(error)
+            raise RequestError(message, param=param) from error
         finally:
             await generator.aclose()
 
