@@ -13,7 +13,7 @@ but not through every path a byte-level grammar engine would allow. Libraries su
 work on bytes for that reason; this matcher stays small enough to read.
 
 Where this lives in vLLM: vLLM compiles a choice list into a grammar for its backend (`choice_as_grammar` in
-`vllm/v1/structured_output/backend_xgrammar.py`, a Lark alternation in `backend_guidance.py`).
+`vllm/v1/structured_output/utils.py`, used by `backend_xgrammar.py`; a Lark alternation in `backend_guidance.py`).
 """
 
 from dataclasses import dataclass

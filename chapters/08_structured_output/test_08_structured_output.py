@@ -1,0 +1,436 @@
+"""Grading tests for chapter 08 — structured output.
+
+Each test grades one exercise (`@pytest.mark.exercise`). The oracles are independent of the code under test: bit
+arithmetic on Python integers (for packing a mask and applying it), small vocabularies written out by hand with
+every allowed token listed and every tokenisation of a choice enumerated (for the choice grammar), a brute-force
+scan of SmolLM2's vocabulary, and, for the capstone, `json.loads`, `jsonschema` and the list of choices on
+SmolLM2's sampled outputs, and Hugging Face's greedy tokens for a request that shares their batch.
+"""
+
+import dataclasses
+import functools
+import json
+import random
+
+import jsonschema
+import pytest
+import torch
+
+from grading import exercising, expect_equal
+from grading.capstone import CAPSTONE_PROMPTS, smollm2, smollm2_greedy, swap_in
+from solutions import SamplingParams, StructuredOutputsParams
+from solutions.engine.llm_engine import LLMEngine
+from solutions.outputs import FinishReason, RequestOutput
+from solutions.sampling_params import RequestOutputKind
+from solutions.structured_output import bitmask, choice
+from solutions.structured_output.choice import TokenTexts
+
+REFERENCE = {
+    "pack_token_bitmask": bitmask.pack_token_bitmask,
+    "apply_token_bitmask": bitmask.apply_token_bitmask,
+    "ChoiceGrammar": choice.ChoiceGrammar,
+}
+
+pytestmark = pytest.mark.timeout(60)
+
+SMOLLM2_VOCAB = 49152
+
+
+def python_words(token_ids: list[int], num_words: int) -> list[int]:
+    """The oracle's mask row, on Python integers: bit j of word w is token 32w + j, read back as a signed int32."""
+    words = [0] * num_words
+    for token_id in set(token_ids):
+        words[token_id // 32] |= 1 << (token_id % 32)
+    return [w - 2**32 if w >= 2**31 else w for w in words]
+
+
+# --- pack_token_bitmask --------------------------------------------------------------------------------------------
+
+
+def expect_row(impl, token_ids: list[int], num_words: int, inputs: str) -> None:
+    got = impl.pack_token_bitmask(token_ids, num_words)
+    if not isinstance(got, torch.Tensor):
+        raise AssertionError(f"on input {inputs}: expected a tensor, got {type(got).__name__}")
+    expect_equal((tuple(got.shape), got.dtype), ((num_words,), torch.int32), inputs=f"{inputs}; (shape, dtype)")
+    expect_equal(got.tolist(), python_words(token_ids, num_words), inputs=f"{inputs}; the words")
+
+
+@pytest.mark.exercise("pack_token_bitmask")
+def test_pack_token_bitmask_puts_token_32w_plus_j_at_bit_j_of_word_w(impl):
+    expect_row(impl, [0, 1, 5], 1, "token_ids=[0, 1, 5], num_words=1 (1 + 2 + 32 = 35)")
+    expect_row(impl, [0, 32, 33, 70], 3, "token_ids=[0, 32, 33, 70], num_words=3 (words 1, 1 + 2 = 3, 1 << 6 = 64)")
+    expect_row(impl, [], 2, "token_ids=[], num_words=2 (nothing allowed)")
+
+
+@pytest.mark.exercise("pack_token_bitmask")
+def test_pack_token_bitmask_bit_31_is_the_sign_bit(impl):
+    expect_row(impl, [31], 1, "token_ids=[31], num_words=1 (bit 31 alone is int32's -2**31)")
+    expect_row(impl, list(range(32)), 1, "token_ids=0..31, num_words=1 (all 32 bits: -1)")
+    expect_row(impl, [31, 63, 64, 95], 3, "token_ids=[31, 63, 64, 95], num_words=3")
+
+
+@pytest.mark.exercise("pack_token_bitmask")
+def test_pack_token_bitmask_counts_a_repeated_or_unsorted_id_once(impl):
+    expect_row(impl, [40, 3, 3, 40, 7, 3], 2,
+               "token_ids=[40, 3, 3, 40, 7, 3], num_words=2 (a set of tokens: a repeat adds nothing)")
+
+
+@pytest.mark.exercise("pack_token_bitmask")
+def test_pack_token_bitmask_over_smollm2s_vocabulary(impl):
+    ids = random.Random(0).sample(range(SMOLLM2_VOCAB), 3000) + [0, 31, SMOLLM2_VOCAB - 1]
+    expect_row(impl, ids, SMOLLM2_VOCAB // 32,
+               f"3,003 ids drawn from [0, {SMOLLM2_VOCAB}), num_words=1536 (SmolLM2's row)")
+
+
+# --- apply_token_bitmask -------------------------------------------------------------------------------------------
+
+
+def mask_of(allowed_rows: list[list[int] | None], num_words: int) -> torch.Tensor:
+    """(N, W) int32 from each row's allowed ids (None: every bit set, as an unconstrained row)."""
+    rows = [[-1] * num_words if ids is None else python_words(ids, num_words) for ids in allowed_rows]
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def masked_by_hand(logits: torch.Tensor, allowed_rows: list[list[int] | None]) -> torch.Tensor:
+    """The oracle: -inf everywhere, then each row's allowed logits copied back (None: the whole row)."""
+    want = torch.full_like(logits, float("-inf"))
+    for n, ids in enumerate(allowed_rows):
+        keep = list(range(logits.shape[1])) if ids is None else [i for i in ids if i < logits.shape[1]]
+        want[n, keep] = logits[n, keep]
+    return want
+
+
+def expect_masked(got, want: torch.Tensor, inputs: str) -> None:
+    if not isinstance(got, torch.Tensor):
+        raise AssertionError(f"on input {inputs}: expected a tensor, got {type(got).__name__}")
+    expect_equal((tuple(got.shape), got.dtype), (tuple(want.shape), want.dtype), inputs=f"{inputs}; (shape, dtype)")
+    wrong = (got != want).nonzero().tolist()
+    if wrong:
+        shown = ", ".join(f"[{n}, {v}]: want {want[n, v].item():.4g}, got {got[n, v].item():.4g}" for n, v in wrong[:5])
+        raise AssertionError(f"on input {inputs}: {len(wrong)} logits differ from the oracle's, e.g. {shown}")
+
+
+@pytest.mark.exercise("apply_token_bitmask")
+def test_apply_token_bitmask_keeps_allowed_logits_and_sets_the_rest_to_minus_inf(impl):
+    logits = torch.randn(3, 96, generator=torch.Generator().manual_seed(0))
+    allowed = [[0, 5, 31, 32, 63, 95], [1, 2, 3], None]
+    inputs = "logits (3, 96); row 0 allows [0, 5, 31, 32, 63, 95], row 1 [1, 2, 3], row 2 everything (all bits set)"
+    expect_masked(impl.apply_token_bitmask(logits, mask_of(allowed, 3)), masked_by_hand(logits, allowed), inputs)
+
+
+@pytest.mark.exercise("apply_token_bitmask")
+def test_apply_token_bitmask_returns_a_new_tensor_and_leaves_its_input_alone(impl):
+    logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(1))
+    before = logits.clone()
+    allowed = [[7, 40], None]
+    inputs = "logits (2, 64); row 0 allows [7, 40], row 1 everything"
+    got = impl.apply_token_bitmask(logits, mask_of(allowed, 2))
+    expect_equal(torch.equal(logits, before), True, inputs=f"{inputs}; the input logits are unchanged (the engine "
+                 "keeps them: mask a copy, e.g. with masked_fill, not masked_fill_)")
+    expect_masked(got, masked_by_hand(before, allowed), inputs)
+
+
+@pytest.mark.exercise("apply_token_bitmask")
+def test_apply_token_bitmask_masks_even_when_the_allowed_logits_are_very_negative(impl):
+    logits = torch.zeros(2, 64)
+    logits[0, [3, 50]] = -1e30  # the only allowed tokens are the model's least likely ones
+    logits[1, 9] = -3e38
+    allowed = [[3, 50], [9]]
+    inputs = "logits (2, 64): every logit 0 except the allowed ones, row 0 [3, 50] at -1e30, row 1 [9] at -3e38"
+    got = impl.apply_token_bitmask(logits, mask_of(allowed, 2))
+    expect_masked(got, masked_by_hand(logits, allowed), inputs)
+    expect_equal(got.argmax(dim=-1).tolist() if isinstance(got, torch.Tensor) else got, [3, 9],
+                 inputs=f"{inputs}; argmax of each row (greedy must still pick an allowed token)")
+
+
+@pytest.mark.exercise("apply_token_bitmask")
+def test_apply_token_bitmask_vocabulary_not_a_multiple_of_32(impl):
+    logits = torch.randn(2, 37, generator=torch.Generator().manual_seed(2))
+    allowed = [[0, 33, 36, 37, 40, 63], None]  # 37..63 lie past the vocabulary: their bits are ignored
+    inputs = "logits (2, 37), mask (2, 2): row 0's mask sets bits of tokens [0, 33, 36, 37, 40, 63], row 1 all 64"
+    expect_masked(impl.apply_token_bitmask(logits, mask_of(allowed, 2)), masked_by_hand(logits, allowed), inputs)
+    logits = torch.randn(2, 70, generator=torch.Generator().manual_seed(3))
+    allowed = [[1, 63], None]
+    inputs = ("logits (2, 70) but a mask of 2 words (64 tokens, as a tokenizer's mask beside a model whose "
+              "vocabulary is padded): tokens 64..69 have no bit and are not allowed; row 0 allows [1, 63], row 1 "
+              "all 64")
+    want = masked_by_hand(logits, [[1, 63], list(range(64))])
+    expect_masked(impl.apply_token_bitmask(logits, mask_of(allowed, 2)), want, inputs)
+
+
+@pytest.mark.exercise("apply_token_bitmask")
+def test_apply_token_bitmask_on_smollm2_sized_logits(impl):
+    rng = random.Random(4)
+    logits = torch.randn(4, SMOLLM2_VOCAB, generator=torch.Generator().manual_seed(4))
+    allowed = [rng.sample(range(SMOLLM2_VOCAB), 40_000), [2], None, rng.sample(range(SMOLLM2_VOCAB), 7)]
+    inputs = "logits (4, 49152): rows allowing 40,000 random ids, the EOS token 2 alone, everything, 7 random ids"
+    expect_masked(impl.apply_token_bitmask(logits, mask_of(allowed, 1536)), masked_by_hand(logits, allowed), inputs)
+
+
+# --- ChoiceGrammar -------------------------------------------------------------------------------------------------
+
+# A vocabulary of 70 tokens written out by hand. Special tokens decode to "" (0 is padding, 1 is EOS); every id
+# not listed is a token that spells none of the choices. "is" has two ids (as in a tokenizer where both "is" and
+# "▁is" decode alone to "is"). Ids 31, 63 and 64 sit on word boundaries of the mask.
+EOS = 1
+PLACED = {2: "P", 3: "Pa", 4: "Par", 5: "Paris", 6: "is", 7: "ris", 8: "i", 9: "s", 10: "r", 11: "a", 12: " Paris",
+          13: "Paris!", 14: "x", 31: "L", 32: "Lon", 33: "don", 34: "on", 35: "o", 36: "n", 37: "d", 63: "London",
+          64: "Lo", 67: "is"}
+TEXTS = ["", ""] + [PLACED.get(i, f"~{i}") for i in range(2, 70)]
+CITIES = ["Paris", "London"]
+PREFIXED = ["Par", "Paris"]  # a choice that a longer choice extends
+
+
+def hand_tokens() -> TokenTexts:
+    ids_by_text: dict[str, list[int]] = {}
+    for token_id, text in enumerate(TEXTS):
+        if text:
+            ids_by_text.setdefault(text, []).append(token_id)
+    return TokenTexts(list(TEXTS), ids_by_text, EOS)
+
+
+def tokenisations(text: str, texts: list[str]) -> list[list[int]]:
+    """Every sequence of (non-empty) token ids whose texts concatenate to `text`: the brute-force oracle."""
+    if not text:
+        return [[]]
+    return [[i, *rest] for i, t in enumerate(texts) if t and text.startswith(t)
+            for rest in tokenisations(text[len(t):], texts)]
+
+
+def new_grammar(impl, choices: list[str], tokens: TokenTexts, inputs: str):
+    with exercising("ChoiceGrammar", inputs):
+        return impl.ChoiceGrammar(choices, tokens)
+
+
+def allowed(grammar, inputs: str) -> list[int]:
+    with exercising("ChoiceGrammar", inputs):
+        return sorted(grammar.allowed_token_ids())
+
+
+def accept(grammar, token_ids: list[int], inputs: str) -> bool:
+    with exercising("ChoiceGrammar", inputs):
+        return grammar.accept_tokens(token_ids)
+
+
+def terminated(grammar, inputs: str) -> bool:
+    with exercising("ChoiceGrammar", inputs):
+        return grammar.is_terminated()
+
+
+def spelled(ids: list[int]) -> str:
+    return " + ".join(repr(TEXTS[i]) for i in ids) or "nothing"
+
+
+@pytest.mark.exercise("ChoiceGrammar")
+def test_choice_grammar_allows_every_token_that_keeps_the_text_a_prefix_of_a_choice(impl):
+    inputs = f"ChoiceGrammar({CITIES}) over a hand-made vocabulary of 70 tokens {PLACED}, EOS {EOS}"
+    grammar = new_grammar(impl, CITIES, hand_tokens(), inputs)
+    expect_equal(allowed(grammar, inputs), [2, 3, 4, 5, 31, 32, 63, 64], inputs=f"{inputs}; allowed_token_ids() at the "
+                 "start: every token spelling the start of a choice ('P', 'Pa', 'Par', 'Paris', 'L', 'Lon', 'London', "
+                 "'Lo'), not only each choice's first token, and no EOS or empty special token")
+    expect_equal(accept(grammar, [4], inputs), True, inputs=f"{inputs}; accept_tokens([4]) ('Par')")
+    expect_equal(allowed(grammar, inputs), [6, 8, 67], inputs=f"{inputs}; after 'Par': 'is' (both of its ids) and 'i'")
+    expect_equal(accept(grammar, [8], inputs), True, inputs=f"{inputs}; after 'Par', accept_tokens([8]) ('i')")
+    expect_equal(allowed(grammar, inputs), [9], inputs=f"{inputs}; after 'Par' + 'i': 's'")
+
+
+@pytest.mark.exercise("ChoiceGrammar")
+def test_choice_grammar_accepts_every_tokenisation_of_a_choice(impl):
+    tokens = hand_tokens()
+    for choice_text in CITIES:
+        paths = tokenisations(choice_text, TEXTS)
+        assert len(paths) > 5, paths  # the hand-made vocabulary spells each choice many ways
+        for path in paths:
+            inputs = f"ChoiceGrammar({CITIES}), the hand-made vocabulary; tokens {path} ({spelled(path)})"
+            grammar = new_grammar(impl, CITIES, tokens, inputs)
+            for k, token_id in enumerate(path):
+                expect_equal(token_id in allowed(grammar, inputs), True, inputs=f"{inputs}; token {token_id} "
+                             f"({TEXTS[token_id]!r}) in allowed_token_ids() after {spelled(path[:k])}")
+                expect_equal(accept(grammar, [token_id], inputs), True,
+                             inputs=f"{inputs}; accept_tokens([{token_id}]) after {spelled(path[:k])}")
+            expect_equal(terminated(grammar, inputs), True, inputs=f"{inputs}; is_terminated() once the text is "
+                         f"{choice_text!r} (no choice extends it)")
+    inputs = f"ChoiceGrammar({CITIES}); accept_tokens([4, 6]) in one call ('Par' + 'is')"
+    grammar = new_grammar(impl, CITIES, tokens, inputs)
+    expect_equal((accept(grammar, [4, 6], inputs), terminated(grammar, inputs)), (True, True), inputs=f"{inputs}; "
+                 "(accepted, is_terminated())")
+
+
+@pytest.mark.exercise("ChoiceGrammar")
+def test_choice_grammar_allows_eos_only_after_a_whole_choice(impl):
+    tokens = hand_tokens()
+    inputs = f"ChoiceGrammar({CITIES}), the hand-made vocabulary (EOS is {EOS}); accept_tokens([3]) ('Pa')"
+    grammar = new_grammar(impl, CITIES, tokens, inputs)
+    accept(grammar, [3], inputs)
+    expect_equal(EOS in allowed(grammar, inputs), False, inputs=f"{inputs}; EOS in allowed_token_ids() after 'Pa'")
+    expect_equal(accept(grammar, [EOS], inputs), False,
+                 inputs=f"{inputs}; accept_tokens([EOS]) after 'Pa' ('Pa' is no choice)")
+    inputs = f"ChoiceGrammar({CITIES}); accept_tokens([5]) ('Paris')"
+    grammar = new_grammar(impl, CITIES, tokens, inputs)
+    accept(grammar, [5], inputs)
+    expect_equal(allowed(grammar, inputs), [EOS], inputs=f"{inputs}; allowed_token_ids() after 'Paris': only EOS")
+    expect_equal(accept(grammar, [EOS], inputs), True, inputs=f"{inputs}; accept_tokens([EOS]) after 'Paris'")
+    expect_equal((terminated(grammar, inputs), allowed(grammar, inputs)), (True, []),
+                 inputs=f"{inputs}; (is_terminated(), allowed_token_ids()) once EOS is taken")
+
+
+@pytest.mark.exercise("ChoiceGrammar")
+def test_choice_grammar_does_not_stop_at_a_choice_that_a_longer_one_extends(impl):
+    tokens = hand_tokens()
+    inputs = f"ChoiceGrammar({PREFIXED}), the hand-made vocabulary; accept_tokens([4]) ('Par')"
+    grammar = new_grammar(impl, PREFIXED, tokens, inputs)
+    accept(grammar, [4], inputs)
+    expect_equal(terminated(grammar, inputs), False,
+                 inputs=f"{inputs}; is_terminated() after 'Par' ('Paris' may follow)")
+    expect_equal(allowed(grammar, inputs), [EOS, 6, 8, 67], inputs=f"{inputs}; allowed_token_ids() after 'Par': EOS "
+                 "(stop at 'Par') or a token towards 'Paris'")
+    expect_equal((accept(grammar, [EOS], inputs), terminated(grammar, inputs)), (True, True),
+                 inputs=f"{inputs}; (accept_tokens([EOS]), is_terminated()) after 'Par'")
+    inputs = f"ChoiceGrammar({PREFIXED}); accept_tokens([4, 6]) ('Par' + 'is')"
+    grammar = new_grammar(impl, PREFIXED, tokens, inputs)
+    expect_equal((accept(grammar, [4, 6], inputs), terminated(grammar, inputs)), (True, True),
+                 inputs=f"{inputs}; (accepted, is_terminated()): no choice extends 'Paris'")
+
+
+@pytest.mark.exercise("ChoiceGrammar")
+def test_choice_grammar_rejects_tokens_its_mask_forbids(impl):
+    tokens = hand_tokens()
+    for path, why in (([14], "'x' starts no choice"), ([12], "' Paris' has a space no choice has"),
+                      ([13], "'Paris!' runs past every choice"), ([5, 14], "'x' after 'Paris'"),
+                      ([0], "the special token 0 spells nothing"), ([4, 7], "'Par' + 'ris' is 'Parris'"),
+                      ([5, EOS, 6], "a token after EOS")):
+        inputs = f"ChoiceGrammar({CITIES}), the hand-made vocabulary; accept_tokens({path}): {why}"
+        grammar = new_grammar(impl, CITIES, tokens, inputs)
+        expect_equal(accept(grammar, path, inputs), False, inputs=f"{inputs}; accepted")
+
+
+@pytest.mark.exercise("ChoiceGrammar")
+def test_choice_grammar_fills_only_its_row_of_the_mask(impl):
+    inputs = (f"ChoiceGrammar({CITIES}), the hand-made vocabulary (70 tokens); fill_bitmask(mask, 1) into a (3, 3) "
+              "mask whose every bit is set (as the engine allocates it: unconstrained rows stay so)")
+    grammar = new_grammar(impl, CITIES, hand_tokens(), inputs)
+    mask = torch.full((3, 3), -1, dtype=torch.int32)
+    with exercising("ChoiceGrammar", inputs):
+        grammar.fill_bitmask(mask, 1)
+    want = [[-1, -1, -1], python_words([2, 3, 4, 5, 31, 32, 63, 64], 3), [-1, -1, -1]]
+    expect_equal(mask.tolist(), want,
+                 inputs=f"{inputs}; the mask after the call (row 1: exactly the allowed tokens' bits)")
+
+
+@functools.cache
+def smollm2_tokens() -> TokenTexts:
+    _, tokenizer = smollm2()
+    return TokenTexts.from_tokenizer(tokenizer, SMOLLM2_VOCAB, tokenizer.eos_token_id)
+
+
+@pytest.mark.exercise("ChoiceGrammar")
+def test_choice_grammar_on_smollm2s_vocabulary(impl):
+    _, tokenizer = smollm2()
+    tokens, choices = smollm2_tokens(), [" Paris", "Paris, Texas", "New York"]
+    inputs = f"ChoiceGrammar({choices}) over SmolLM2's 49,152 tokens (TokenTexts.from_tokenizer)"
+    brute_force = [i for i, t in enumerate(tokens.texts)
+                   if t in tokens.ids_by_text and any(c.startswith(t) for c in choices)]
+    grammar = new_grammar(impl, choices, tokens, inputs)
+    expect_equal(allowed(grammar, inputs), brute_force, inputs=f"{inputs}; allowed_token_ids() at the start (oracle: "
+                 "every token whose text starts a choice)")
+    canonical = tokenizer.encode("New York")
+    expect_equal((accept(grammar, canonical, inputs), terminated(grammar, inputs)), (True, True),
+                 inputs=f"{inputs}; (accept_tokens({canonical}), is_terminated()): the tokenizer's own 'New York'")
+    by_character = [tokens.ids_by_text[c][0] for c in "Paris, Texas"]
+    grammar = new_grammar(impl, choices, tokens, inputs)
+    expect_equal(accept(grammar, by_character[:5], inputs), True, inputs=f"{inputs}; 'Paris' one character at a time")
+    expect_equal((terminated(grammar, inputs), tokenizer.eos_token_id in allowed(grammar, inputs)), (False, False),
+                 inputs=f"{inputs}; (is_terminated(), EOS allowed) after 'Paris': no choice is 'Paris'")
+    expect_equal((accept(grammar, by_character[5:], inputs), terminated(grammar, inputs)), (True, True),
+                 inputs=f"{inputs}; (accept_tokens, is_terminated()) for the rest of 'Paris, Texas', one character "
+                 "at a time")
+
+
+# --- capstone: your mask, your matcher, in the engine on SmolLM2 ---------------------------------------------------
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
+        "student": {"type": "boolean"},
+    },
+    "required": ["name", "age", "city", "student"],
+    "additionalProperties": False,
+}
+JSON_QUESTION = "Describe a person as a JSON object: their name, age, city, and whether they are a student."
+CHOICE_QUESTION = "Which city is the capital of France?"
+CHOICES = ["Paris", "Paris, Texas", "London", "Lyon"]  # "Paris" is a choice and the start of a longer one
+JSON_SEEDS = [0, 1, 2]
+CHOICE_SAMPLES = 3  # n: one grammar per sample
+GREEDY_PROMPT, GREEDY_TOKENS = 0, 16  # an unconstrained request in the same batch (index into CAPSTONE_PROMPTS)
+CAPSTONE_ENGINE = dict(block_size=16, num_kv_blocks=96, max_num_seqs=16, max_num_batched_tokens=512, max_model_len=256,
+                       long_prefill_token_threshold=512)
+
+
+def chat(tokenizer, question: str) -> str:
+    messages = [{"role": "user", "content": question}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def capstone_requests(tokenizer) -> list[tuple[str | list[int], SamplingParams]]:
+    """Three JSON requests (temperature 1, one seed each), a choice request with n=3, one greedy free request."""
+    person = [(chat(tokenizer, JSON_QUESTION), SamplingParams(
+        temperature=1.0, seed=seed, max_tokens=80, structured_outputs=StructuredOutputsParams(json=PERSON)))
+        for seed in JSON_SEEDS]
+    city = (chat(tokenizer, CHOICE_QUESTION), SamplingParams(
+        n=CHOICE_SAMPLES, temperature=1.0, seed=0, max_tokens=16,
+        structured_outputs=StructuredOutputsParams(choice=CHOICES)))
+    free = (CAPSTONE_PROMPTS[GREEDY_PROMPT], SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True))
+    return [*person, city, free]
+
+
+def generate(engine: LLMEngine, requests: list[tuple[str | list[int], SamplingParams]]) -> list[RequestOutput]:
+    """`LLM.generate` on `engine`: all the requests in one batch, the finished outputs in request order."""
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(str(i), prompt, dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY))
+    finished: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    return [finished[str(i)] for i in range(len(requests))]
+
+
+@pytest.mark.exercise("capstone")
+@pytest.mark.timeout(180)  # a real model: a few seconds on an idle machine
+def test_capstone_your_masks_in_the_engine_give_valid_json_and_choices_on_smollm2(impl):
+    model, tokenizer = smollm2()
+    requests = capstone_requests(tokenizer)
+    inputs = (f"SmolLM2-135M, one batch: JSON schema {json.dumps(PERSON)} at temperature 1, seeds {JSON_SEEDS}; "
+              f"choice {CHOICES} at temperature 1, n={CHOICE_SAMPLES}; CAPSTONE_PROMPTS[{GREEDY_PROMPT}] greedy, "
+              f"{GREEDY_TOKENS} tokens, unconstrained")
+    with swap_in(impl, REFERENCE):  # your masks, applied by the engine's sampler; your ChoiceGrammar for `choice`
+        engine = LLMEngine(model, tokenizer, **CAPSTONE_ENGINE)  # fresh: no request of an earlier run left in it
+        try:
+            outputs = generate(engine, requests)
+        except RuntimeError as error:
+            if "mask forbids" not in str(error):
+                raise
+            raise AssertionError(  # the matcher refused a token the mask let through
+                f"on input {inputs}: {error}. A mask row allowed a token its grammar does not: look at the bit order "
+                "(pack_token_bitmask, apply_token_bitmask), at which row is read, and at whether fill_bitmask "
+                "writes its row") from None
+    for seed, output in zip(JSON_SEEDS, outputs, strict=False):
+        text = output.outputs[0].text
+        where = f"{inputs}; the JSON output of seed {seed}, {text!r}"
+        expect_equal(output.outputs[0].finish_reason, FinishReason.STOP, inputs=f"{where}; finish_reason (the grammar "
+                     "completes the object well within max_tokens)")
+        try:
+            jsonschema.validate(json.loads(text), PERSON)
+        except (json.JSONDecodeError, jsonschema.ValidationError) as error:
+            raise AssertionError(f"on input {where}: not valid against the schema: {error}") from None
+    samples = outputs[len(JSON_SEEDS)].outputs
+    expect_equal(len(samples), CHOICE_SAMPLES, inputs=f"{inputs}; samples of the choice request")
+    for sample in samples:
+        expect_equal((sample.text in CHOICES, sample.finish_reason), (True, FinishReason.STOP), inputs=f"{inputs}; "
+                     f"choice sample {sample.index}, {sample.text!r}: (one of the choices, finish_reason)")
+    expect_equal(outputs[-1].outputs[0].token_ids, smollm2_greedy(GREEDY_PROMPT, GREEDY_TOKENS),
+                 inputs=f"{inputs}; the unconstrained greedy request's tokens (oracle: Hugging Face greedy; a mask "
+                 "must leave a row without a grammar alone)")

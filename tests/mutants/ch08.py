@@ -1,0 +1,249 @@
+"""Plausible wrong answers to chapter 08's exercises; each must fail at least one test of its exercise.
+
+Class exercises are mutated by subclassing the reference and overriding the method that goes wrong.
+"""
+
+import torch
+
+from solutions.structured_output.bitmask import pack_token_bitmask, unpack_token_bitmask
+from solutions.structured_output.choice import ChoiceGrammar, TokenTexts
+
+# --- pack_token_bitmask --------------------------------------------------------------------------------------------
+
+
+def _pack(token_ids: list[int], num_words: int, *, word_of=lambda i: i // 32, bit_of=lambda i: i % 32,
+          distinct: bool = True) -> torch.Tensor:
+    """The reference's packing, with switches for what the mutants below get wrong."""
+    words = torch.zeros(num_words, dtype=torch.int64)
+    ids = torch.tensor(sorted(set(token_ids)) if distinct else list(token_ids), dtype=torch.int64)
+    words.index_add_(0, word_of(ids), 1 << bit_of(ids))
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def pack_token_bitmask_msb_first(token_ids: list[int], num_words: int) -> torch.Tensor:
+    """Numbers the bits of a word from the most significant end: token 32w + j at bit 31 - j."""
+    return _pack(token_ids, num_words, bit_of=lambda i: 31 - i % 32)
+
+
+def pack_token_bitmask_adds_repeats(token_ids: list[int], num_words: int) -> torch.Tensor:
+    """Adds each id's bit without making the ids a set: a repeated id adds its bit twice, which carries into the
+    next bit (the next token)."""
+    return _pack(token_ids, num_words, distinct=False)
+
+
+def pack_token_bitmask_31_per_word(token_ids: list[int], num_words: int) -> torch.Tensor:
+    """Counts 31 tokens per word (the sign bit left out): token i at bit i % 31 of word i // 31."""
+    return _pack(token_ids, num_words, word_of=lambda i: i // 31, bit_of=lambda i: i % 31)
+
+
+def pack_token_bitmask_overflows_int32(token_ids: list[int], num_words: int) -> torch.Tensor:
+    """Builds the words as Python integers and hands them to torch as int32: a word with bit 31 set is 2**31 or
+    more, which int32 cannot hold (torch raises)."""
+    words = [0] * num_words
+    for token_id in set(token_ids):
+        words[token_id // 32] |= 1 << (token_id % 32)
+    return torch.tensor(words, dtype=torch.int32)
+
+
+def pack_token_bitmask_int64_words(token_ids: list[int], num_words: int) -> torch.Tensor:
+    """Leaves the words as unsigned values in int64: not the int32 row the mask holds."""
+    words = [0] * num_words
+    for token_id in set(token_ids):
+        words[token_id // 32] |= 1 << (token_id % 32)
+    return torch.tensor(words, dtype=torch.int64)
+
+
+# --- apply_token_bitmask -------------------------------------------------------------------------------------------
+
+
+def _allowed(bitmask: torch.Tensor, vocab_size: int, *, msb_first: bool = False,
+             past_the_mask: bool = False) -> torch.Tensor:
+    bits = torch.arange(32, dtype=torch.int32)
+    if msb_first:
+        bits = 31 - bits
+    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)
+    if allowed.shape[1] >= vocab_size:
+        return allowed[:, :vocab_size]
+    return torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]), value=past_the_mask)
+
+
+def apply_token_bitmask_zero_for_forbidden(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Sets a forbidden token's logit to 0 (multiplies by the mask): a forbidden token still has probability,
+    and beats every allowed token whose logit is negative."""
+    return logits * unpack_token_bitmask(bitmask, logits.shape[-1])
+
+
+def apply_token_bitmask_big_negative(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Uses -1e9 for a forbidden token instead of -inf: fine for ordinary logits, but a forbidden token wins over
+    allowed tokens whose logits are lower still, and temperature scaling moves it."""
+    return logits.masked_fill(~unpack_token_bitmask(bitmask, logits.shape[-1]), -1e9)
+
+
+def apply_token_bitmask_msb_first(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Reads bit 31 - j of word w as token 32w + j."""
+    return logits.masked_fill(~_allowed(bitmask, logits.shape[-1], msb_first=True), float("-inf"))
+
+
+def apply_token_bitmask_first_row_for_all(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Applies the first row's mask to every row of the batch."""
+    allowed = unpack_token_bitmask(bitmask[:1], logits.shape[-1])
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def apply_token_bitmask_inverted(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Reads a set bit as "forbidden": keeps exactly the tokens the grammar rules out."""
+    return logits.masked_fill(unpack_token_bitmask(bitmask, logits.shape[-1]), float("-inf"))
+
+
+def apply_token_bitmask_in_place(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Masks the caller's logits in place (masked_fill_) and returns them."""
+    return logits.masked_fill_(~unpack_token_bitmask(bitmask, logits.shape[-1]), float("-inf"))
+
+
+def apply_token_bitmask_allows_past_the_mask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Leaves the tokens the mask has no bit for (a padded vocabulary's last ids) allowed."""
+    return logits.masked_fill(~_allowed(bitmask, logits.shape[-1], past_the_mask=True), float("-inf"))
+
+
+# --- ChoiceGrammar -------------------------------------------------------------------------------------------------
+
+
+def _longest_match(text: str, tokens: TokenTexts) -> list[int]:
+    """One tokenisation of `text`: the longest token that matches, again and again (what a tokenizer writes)."""
+    ids = []
+    while text:
+        end = max(e for e in range(1, len(text) + 1) if text[:e] in tokens.ids_by_text)
+        ids.append(tokens.ids_by_text[text[:end]][0])
+        text = text[end:]
+    return ids
+
+
+class ChoiceGrammarCanonicalTokensOnly(ChoiceGrammar):
+    """Tokenises each choice once and walks those token ids: "Par" + "is" is refused though it spells "Paris"."""
+
+    def __init__(self, choices: list[str], tokens: TokenTexts) -> None:
+        super().__init__(choices, tokens)
+        self.paths = [_longest_match(c, tokens) for c in self.choices]
+        self.ids: list[int] = []
+
+    def allowed_token_ids(self) -> list[int]:
+        if self.ended:
+            return []
+        n = len(self.ids)
+        allowed = {path[n] for path in self.paths if path[:n] == self.ids and len(path) > n}
+        if self.ids in self.paths and self.tokens.eos_token_id is not None:
+            allowed.add(self.tokens.eos_token_id)
+        return sorted(allowed)
+
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        for token_id in token_ids:
+            if token_id not in self.allowed_token_ids():
+                return False
+            if token_id == self.tokens.eos_token_id:
+                self.ended = True
+            else:
+                self.ids.append(token_id)
+                self.text += self.tokens.texts[token_id]
+        return True
+
+
+class ChoiceGrammarEndsAnywhere(ChoiceGrammar):
+    """Allows and accepts EOS at any point, before the text is a whole choice."""
+
+    def allowed_token_ids(self) -> list[int]:
+        allowed = super().allowed_token_ids()
+        if not self.ended and self.tokens.eos_token_id not in allowed:
+            allowed = sorted([*allowed, self.tokens.eos_token_id])
+        return allowed
+
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        for token_id in token_ids:
+            if token_id == self.tokens.eos_token_id and not self.ended:
+                self.ended = True
+            elif not super().accept_tokens([token_id]):
+                return False
+        return True
+
+
+class ChoiceGrammarStopsAtFirstChoice(ChoiceGrammar):
+    """Ends as soon as the text equals a choice, even when a longer choice extends it ("Par" of "Paris")."""
+
+    def is_terminated(self) -> bool:
+        return self.ended or self.text in self.choices
+
+
+class ChoiceGrammarAllowsEmptyTokens(ChoiceGrammar):
+    """Tests every token's text against the choices, the empty texts of special tokens included ("" is a prefix
+    of everything): padding and other special tokens are allowed and accepted anywhere."""
+
+    def allowed_token_ids(self) -> list[int]:
+        if self.ended:
+            return []
+        eos = self.tokens.eos_token_id
+        allowed = [i for i, t in enumerate(self.tokens.texts)
+                   if i != eos and any(c.startswith(self.text + t) for c in self.choices)]
+        if self.text in self.choices and eos is not None:
+            allowed.append(eos)
+        return sorted(allowed)
+
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        for token_id in token_ids:
+            if token_id == self.tokens.eos_token_id or self.ended:
+                if not super().accept_tokens([token_id]):
+                    return False
+                continue
+            text = self.text + self.tokens.texts[token_id]
+            if not any(c.startswith(text) for c in self.choices):
+                return False
+            self.text = text
+        return True
+
+
+class ChoiceGrammarAcceptsAnything(ChoiceGrammar):
+    """Advances by every token it is given, without checking it against the choices."""
+
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        for token_id in token_ids:
+            if token_id == self.tokens.eos_token_id:
+                self.ended = True
+            else:
+                self.text += self.tokens.texts[token_id]
+        return True
+
+
+class ChoiceGrammarOrsIntoTheRow(ChoiceGrammar):
+    """ORs the allowed tokens' bits into its row, as if the row started empty; the engine's rows start with every
+    bit set (unconstrained), so nothing is ever forbidden."""
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] |= pack_token_bitmask(self.allowed_token_ids(), bitmask.shape[1])
+
+
+MUTANTS = {
+    "pack_token_bitmask_msb_first": {"pack_token_bitmask": pack_token_bitmask_msb_first},
+    "pack_token_bitmask_adds_repeats": {"pack_token_bitmask": pack_token_bitmask_adds_repeats},
+    "pack_token_bitmask_31_per_word": {"pack_token_bitmask": pack_token_bitmask_31_per_word},
+    "pack_token_bitmask_overflows_int32": {"pack_token_bitmask": pack_token_bitmask_overflows_int32},
+    "pack_token_bitmask_int64_words": {"pack_token_bitmask": pack_token_bitmask_int64_words},
+    "apply_token_bitmask_zero_for_forbidden": {"apply_token_bitmask": apply_token_bitmask_zero_for_forbidden},
+    "apply_token_bitmask_big_negative": {"apply_token_bitmask": apply_token_bitmask_big_negative},
+    "apply_token_bitmask_msb_first": {"apply_token_bitmask": apply_token_bitmask_msb_first},
+    "apply_token_bitmask_first_row_for_all": {"apply_token_bitmask": apply_token_bitmask_first_row_for_all},
+    "apply_token_bitmask_inverted": {"apply_token_bitmask": apply_token_bitmask_inverted},
+    "apply_token_bitmask_in_place": {"apply_token_bitmask": apply_token_bitmask_in_place},
+    "apply_token_bitmask_allows_past_the_mask": {"apply_token_bitmask": apply_token_bitmask_allows_past_the_mask},
+    "ChoiceGrammarCanonicalTokensOnly": {"ChoiceGrammar": ChoiceGrammarCanonicalTokensOnly},
+    "ChoiceGrammarEndsAnywhere": {"ChoiceGrammar": ChoiceGrammarEndsAnywhere},
+    "ChoiceGrammarStopsAtFirstChoice": {"ChoiceGrammar": ChoiceGrammarStopsAtFirstChoice},
+    "ChoiceGrammarAllowsEmptyTokens": {"ChoiceGrammar": ChoiceGrammarAllowsEmptyTokens},
+    "ChoiceGrammarAcceptsAnything": {"ChoiceGrammar": ChoiceGrammarAcceptsAnything},
+    "ChoiceGrammarOrsIntoTheRow": {"ChoiceGrammar": ChoiceGrammarOrsIntoTheRow},
+}
+
+# One mutant per exercise that must make the capstone fail: each lets the sampler pick a token the grammar
+# forbids, and the engine refuses it (RuntimeError: "... which its grammar's mask forbids").
+CAPSTONE_MUTANTS = {
+    "pack_token_bitmask": "pack_token_bitmask_msb_first",
+    "apply_token_bitmask": "apply_token_bitmask_msb_first",
+    "ChoiceGrammar": "ChoiceGrammarOrsIntoTheRow",
+}
