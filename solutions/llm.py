@@ -81,6 +81,10 @@ class LLM:
     `kv_reservation` ("max", "pow2", "oracle") turns the engine into chapter 2's Orca baselines for comparisons:
     each request is admitted only with blocks for its whole reserved length, taken at once
     (`solutions/baselines/reserving_kv_cache_manager.py`). None, the default, is paged allocation.
+
+    `tensor_parallel_size=N` splits the model over N processes on this machine, each holding some of every
+    layer's heads and hidden units and its own heads' KV cache; this process is rank 0 and starts the others
+    (`solutions/executor/multiproc_executor.py`). On the CPU only (gloo), with the "torch" or "triton" backend.
     """
 
     def __init__(
@@ -101,6 +105,7 @@ class LLM:
         dtype: str = "float32",
         enforce_eager: bool = False,
         kv_reservation: str | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
@@ -122,6 +127,12 @@ class LLM:
             _positive_int("max_model_len", max_model_len)
         if not isinstance(enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {enforce_eager!r}")
+        tensor_parallel_size = _positive_int("tensor_parallel_size", tensor_parallel_size)
+        if tensor_parallel_size > 1 and (device != "cpu" or attention_backend == "inductor"):
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} runs on the CPU (device='cpu') with attention_backend "
+                f"'torch' or 'triton'; got device={device!r}, attention_backend={attention_backend!r}"
+            )
         if kv_reservation is not None:
             reservation_policy(kv_reservation)  # ValueError naming the field, before the model loads
         self.device, self.dtype = resolve_device_and_dtype(device, dtype)
@@ -162,6 +173,8 @@ class LLM:
             seed=seed,
             enforce_eager=enforce_eager,
             kv_reservation=kv_reservation,
+            tensor_parallel_size=tensor_parallel_size,
+            model_name=model,
         )
         self._request_counter = 0
 

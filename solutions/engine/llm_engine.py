@@ -92,6 +92,8 @@ class LLMEngine:
         seed: int = 0,
         enforce_eager: bool = False,
         kv_reservation: str | None = None,
+        tensor_parallel_size: int = 1,
+        model_name: str | None = None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.block_size, self.max_model_len = block_size, max_model_len
@@ -112,10 +114,16 @@ class LLMEngine:
             self.kv_cache_manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             long_prefill_token_threshold=long_prefill_token_threshold, policy=scheduling_policy,
         )
-        self.model_runner = ModelRunner(
-            model, num_kv_blocks, block_size, attention_backend, enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
+        runner_kwargs = dict(
+            num_blocks=num_kv_blocks, block_size=block_size, attention_backend=attention_backend,
+            enforce_eager=enforce_eager, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
         )
+        if tensor_parallel_size == 1:
+            self.model_runner = ModelRunner(model, **runner_kwargs)
+        else:  # the model split over processes, each loading `model_name` (solutions/executor/multiproc_executor.py)
+            from solutions.executor.multiproc_executor import MultiprocExecutor
+
+            self.model_runner = MultiprocExecutor(model_name, model, tensor_parallel_size, runner_kwargs)
         self.requests: dict[str, RequestState] = {}
         self._owner: dict[int, tuple[RequestState, int]] = {}  # seq_id -> (its request, its sample index)
         self._seq_ids = itertools.count()
