@@ -17,6 +17,7 @@ import jsonschema
 import pytest
 import torch
 
+from benchmarks.structured_output import person_schema
 from solutions import LLM, SamplingParams, StructuredOutputsParams
 from solutions.engine.llm_engine import LLMEngine
 from solutions.outputs import FinishReason
@@ -30,17 +31,7 @@ from solutions.structured_output.bitmask import (
 
 MODEL = "smollm2-135m"
 SEEDS = range(50)
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
-        "vegan": {"type": "boolean"},
-    },
-    "required": ["name", "age", "city", "vegan"],
-    "additionalProperties": False,
-}
+PERSON = person_schema()  # name, age, city, vegan: bounded, so a sampled output finishes well within max_tokens
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 CHOICES = ["Paris", "London", "Par", "New York City"]  # "Par" is a prefix of "Paris": the matcher must not stop early
 JSON_PROMPT = "Describe a person as a JSON object:"
