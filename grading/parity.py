@@ -1,6 +1,25 @@
 """Comparing greedy token streams the way vLLM's model tests do (`check_logprobs_close`)."""
 
+import functools
+from pathlib import Path
+
 import torch
+
+from grading.tiny_models import hf_model
+
+
+@functools.cache
+def hf_oracle(folder: Path | str) -> torch.nn.Module:
+    """The Hugging Face model of a checkpoint folder, loaded once per process."""
+    return hf_model(folder)
+
+
+@functools.cache
+def hf_greedy(folder: Path | str, prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
+    """Hugging Face's greedy continuation of `prompt` (EOS ignored), computed once per prompt."""
+    with torch.inference_mode():
+        out = hf_oracle(folder).generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None)
+    return out[0, len(prompt) :].tolist()
 
 
 def assert_greedy_close(ours: list[int], theirs: list[int], prompt: list[int], oracle: torch.nn.Module) -> None:

@@ -2,15 +2,14 @@
 priorities and late arrivals; seeded sampling independent of the batch; overload; abort in every state; bad
 input rejected without disturbing requests in flight; the batched attention path against chapter 3's oracle."""
 
-import functools
 import random
 from pathlib import Path
 
 import pytest
 import torch
 
-from grading.parity import assert_greedy_close
-from grading.tiny_models import hf_model, tiny_checkpoint
+from grading.parity import assert_greedy_close, hf_greedy, hf_oracle
+from grading.tiny_models import tiny_checkpoint
 from solutions import LLM, SamplingParams
 from solutions.attention.paged import AttentionMetadata, paged_attention, write_to_kv_cache
 from solutions.attention.inductor_backend import InductorAttentionBackend
@@ -22,16 +21,6 @@ from solutions.model.loader import resolve_model
 NEW_TOKENS = 24
 
 
-@functools.cache
-def hf_oracle(folder: Path) -> torch.nn.Module:
-    return hf_model(folder)
-
-
-@functools.cache
-def hf_greedy(folder: Path, prompt: tuple[int, ...]) -> list[int]:
-    with torch.inference_mode():
-        out = hf_oracle(folder).generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
-    return out[0, len(prompt) :].tolist()
 
 
 def mixed_prompts(count: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
@@ -70,7 +59,7 @@ def run_config(folder: Path, prompts: list[list[int]], config: str) -> tuple[LLM
 
 def check_against_hf(folder: Path, prompts: list[list[int]], tokens: list[list[int]]) -> None:
     for prompt, ours in zip(prompts, tokens, strict=True):
-        assert_greedy_close(ours, hf_greedy(folder, tuple(prompt)), prompt, hf_oracle(folder))
+        assert_greedy_close(ours, hf_greedy(folder, tuple(prompt), NEW_TOKENS), prompt, hf_oracle(folder))
 
 
 @pytest.mark.parametrize("config", CONFIGS)

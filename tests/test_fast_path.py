@@ -2,15 +2,12 @@
 and the forward pass compiled once for every step — the same tokens as the reference engine and as Hugging Face,
 under preemption, chunked prefill and prefix caching, with no compile after start-up."""
 
-import functools
-from pathlib import Path
-
 import pytest
 import torch
 import torch._dynamo
 
-from grading.parity import assert_greedy_close
-from grading.tiny_models import hf_model, tiny_checkpoint
+from grading.parity import assert_greedy_close, hf_greedy, hf_oracle
+from grading.tiny_models import tiny_checkpoint
 from solutions import LLM, SamplingParams
 from solutions.attention.inductor_backend import compiled_paged_decode_attention, paged_decode_attention
 from solutions.attention.torch_backend import batched_decode_attention
@@ -24,16 +21,6 @@ HARD = dict(block_size=8, num_kv_blocks=60, max_num_batched_tokens=32, long_pref
             max_model_len=256)
 
 
-@functools.cache
-def hf_oracle(folder: Path) -> torch.nn.Module:
-    return hf_model(folder)
-
-
-@functools.cache
-def hf_greedy(folder: Path, prompt: tuple[int, ...]) -> list[int]:
-    with torch.inference_mode():
-        out = hf_oracle(folder).generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
-    return out[0, len(prompt) :].tolist()
 
 
 def prompts_with_a_shared_head(count: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -82,7 +69,7 @@ def test_compiled_fast_path_equals_hugging_face_and_compiles_only_at_start_up(mo
     prompts = prompts_with_a_shared_head(18, 256, seed=4)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for prompt, output in zip(prompts, outputs, strict=True):
-        assert_greedy_close(output.outputs[0].token_ids, hf_greedy(folder, tuple(prompt)), prompt, hf_oracle(folder))
+        assert_greedy_close(output.outputs[0].token_ids, hf_greedy(folder, tuple(prompt), NEW_TOKENS), prompt, hf_oracle(folder))
     engine = llm.llm_engine
     assert engine.scheduler.num_preemptions > 0, "the KV budget forces preemptions"
     assert engine.kv_cache_manager.prefix_cache_stats.hits > 0, "the shared head is found in the prefix cache"
@@ -111,5 +98,5 @@ def test_smollm2_fast_path_equals_hugging_face():
     prompts = [llm.tokenizer.encode(t) for t in texts] + prompts_with_a_shared_head(12, 49152, seed=6)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for prompt, output in zip(prompts, outputs, strict=True):
-        assert_greedy_close(output.outputs[0].token_ids, hf_greedy(folder, tuple(prompt)), prompt, hf_oracle(folder))
+        assert_greedy_close(output.outputs[0].token_ids, hf_greedy(folder, tuple(prompt), NEW_TOKENS), prompt, hf_oracle(folder))
     assert llm.llm_engine.scheduler.num_preemptions > 0

@@ -8,13 +8,12 @@ gives the same samples at both sizes (on the tiny models; see below for SmolLM2)
 at the next step, not a hang.
 """
 
-import functools
 
 import pytest
 import torch
 
-from grading.parity import assert_greedy_close
-from grading.tiny_models import hf_model, tiny_checkpoint
+from grading.parity import assert_greedy_close, hf_greedy, hf_oracle
+from grading.tiny_models import tiny_checkpoint
 from solutions import LLM, SamplingParams
 from solutions.distributed.layers import RowParallelLinear, partition, split_evenly
 from solutions.model.loader import load_model, resolve_model
@@ -39,12 +38,6 @@ def generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list
     return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@functools.cache
-def hf_greedy(folder: str, prompt: tuple[int, ...]) -> list[int]:
-    with torch.inference_mode():
-        out = hf_model(folder).generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
-
 
 @pytest.mark.parametrize("model", ["smollm2-135m", "llama-gqa", "qwen2-bias-mqa"])
 def test_two_ranks_give_one_ranks_tokens_and_hugging_faces(model):
@@ -61,8 +54,8 @@ def test_two_ranks_give_one_ranks_tokens_and_hugging_faces(model):
         two.llm_engine.model_runner.shutdown()
     folder = str(resolve_model(path))
     for prompt, (ours,), (theirs,) in zip(batch, greedy_two, greedy_one, strict=True):
-        assert_greedy_close(ours, theirs, prompt, hf_model(folder))
-        assert_greedy_close(ours, hf_greedy(folder, tuple(prompt)), prompt, hf_model(folder))
+        assert_greedy_close(ours, theirs, prompt, hf_oracle(folder))
+        assert_greedy_close(ours, hf_greedy(folder, tuple(prompt), NEW_TOKENS), prompt, hf_oracle(folder))
     # A seeded sample picks its token by inverse CDF, so a draw within float noise of the boundary between two
     # tokens' cumulative probabilities may pick the neighbour when the partial sums were added in another order:
     # the tiny models' peaked distributions leave no such draw, and must sample identically; SmolLM2's long
