@@ -17,6 +17,7 @@ from solutions.beam_search import BeamSearchOutput, BeamSearchParams
 from solutions.core.block_manager import cdiv
 from solutions.core.sched.request_queue import SchedulingPolicy
 from solutions.engine.llm_engine import LLMEngine
+from solutions.executor.multiproc_executor import WORKER_MULTIPROC_METHODS
 from solutions.model.loader import DEFAULT_MODEL, load_model, load_tokenizer
 from solutions.outputs import RequestOutput
 from solutions.sampling_params import RequestOutputKind, SamplingParams
@@ -24,6 +25,7 @@ from solutions.worker.model_runner import ATTENTION_BACKENDS
 
 SCHEDULING_POLICIES = tuple(policy.value for policy in SchedulingPolicy)
 DEVICES = ("cpu", "cuda")
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "external_launcher")  # workers this process starts; every rank by torchrun
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # CPU matmuls in float16 are emulated (several times slower than float32 here); bfloat16 runs natively.
 CPU_DTYPES = ("float32", "bfloat16")
@@ -84,7 +86,10 @@ class LLM:
 
     `tensor_parallel_size=N` splits the model over N processes on this machine, each holding some of every
     layer's heads and hidden units and its own heads' KV cache; this process is rank 0 and starts the others
-    (`solutions/executor/multiproc_executor.py`). On the CPU only (gloo), with the "torch" or "triton" backend.
+    (`solutions/executor/multiproc_executor.py`; `worker_multiproc_method="fork"` copies this process instead of
+    starting fresh interpreters). With `distributed_executor_backend="external_launcher"` the script runs under
+    `torchrun --nproc-per-node N`, every rank builds the same `LLM` and gets the same outputs
+    (`solutions/executor/external_launcher.py`). On the CPU only (gloo), with the "torch" or "triton" backend.
     """
 
     def __init__(
@@ -106,6 +111,8 @@ class LLM:
         enforce_eager: bool = False,
         kv_reservation: str | None = None,
         tensor_parallel_size: int = 1,
+        distributed_executor_backend: str = "mp",
+        worker_multiproc_method: str = "spawn",
     ) -> None:
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
@@ -133,6 +140,12 @@ class LLM:
                 f"tensor_parallel_size={tensor_parallel_size} runs on the CPU (device='cpu') with attention_backend "
                 f"'torch' or 'triton'; got device={device!r}, attention_backend={attention_backend!r}"
             )
+        if distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend must be one of {DISTRIBUTED_EXECUTOR_BACKENDS}, got {distributed_executor_backend!r}"
+            )
+        if worker_multiproc_method not in WORKER_MULTIPROC_METHODS:
+            raise ValueError(f"worker_multiproc_method must be one of {WORKER_MULTIPROC_METHODS}, got {worker_multiproc_method!r}")
         if kv_reservation is not None:
             reservation_policy(kv_reservation)  # ValueError naming the field, before the model loads
         self.device, self.dtype = resolve_device_and_dtype(device, dtype)
@@ -175,6 +188,8 @@ class LLM:
             kv_reservation=kv_reservation,
             tensor_parallel_size=tensor_parallel_size,
             model_name=model,
+            distributed_executor_backend=distributed_executor_backend,
+            worker_multiproc_method=worker_multiproc_method,
         )
         self._request_counter = 0
 

@@ -118,26 +118,46 @@ def local_config(config: ModelConfig, part: Partition) -> ModelConfig:
     )
 
 
+def shard_weight(name: str, tensor: torch.Tensor, part: Partition, head_dim: int) -> torch.Tensor:
+    """The part of the full model's parameter `name` (e.g. "model.layers.0.self_attn.q_proj.weight") that the rank
+    holding `part` keeps.
+
+    A linear layer's weight is (out_features, in_features). Column-parallel layers keep output rows: q_proj the
+    rows of its query heads, k_proj and v_proj those of its K/V heads (`head_dim` rows per head), gate_proj and
+    up_proj those of its hidden units, and their biases the same entries. Row-parallel layers keep input
+    columns: o_proj the columns of its query heads, down_proj those of its hidden units; their bias stays whole
+    (it is added once, after the all-reduce). The embedding and the LM head keep the rows of its vocabulary
+    range. Everything else (the norms) is replicated: every rank keeps it whole.
+    """
+    q = (part.q_heads[0] * head_dim, part.q_heads[1] * head_dim)
+    kv = (part.kv_heads[0] * head_dim, part.kv_heads[1] * head_dim)
+    keep = {  # (module, parameter) -> (dimension, [start, end))
+        ("q_proj", "weight"): (0, q), ("q_proj", "bias"): (0, q),
+        ("k_proj", "weight"): (0, kv), ("k_proj", "bias"): (0, kv),
+        ("v_proj", "weight"): (0, kv), ("v_proj", "bias"): (0, kv),
+        ("gate_proj", "weight"): (0, part.intermediate), ("gate_proj", "bias"): (0, part.intermediate),
+        ("up_proj", "weight"): (0, part.intermediate), ("up_proj", "bias"): (0, part.intermediate),
+        ("o_proj", "weight"): (1, q), ("down_proj", "weight"): (1, part.intermediate),
+        ("embed_tokens", "weight"): (0, part.vocab), ("lm_head", "weight"): (0, part.vocab),
+    }
+    module, parameter = name.split(".")[-2:]
+    rule = keep.get((module, parameter))
+    if rule is None:
+        return tensor
+    dim, (start, end) = rule
+    return tensor.narrow(dim, start, end - start)
+
+
 def shard_model(full: LlamaForCausalLM, rank: int, tp_size: int) -> LlamaForCausalLM:
     """Rank `rank`'s slice of `full`: the same module tree, built for its heads and hidden units, with o_proj
     and down_proj row parallel, and the embedding and LM head vocabulary parallel."""
     config = full.config
     parts = partition(config, tp_size)
-    part, head_dim = parts[rank], config.head_dim
-    q = (part.q_heads[0] * head_dim, part.q_heads[1] * head_dim)
-    kv = (part.kv_heads[0] * head_dim, part.kv_heads[1] * head_dim)
-    slices = {  # parameter name ending -> (dimension, [start, end)) this rank keeps
-        "q_proj.weight": (0, q), "q_proj.bias": (0, q), "k_proj.weight": (0, kv), "k_proj.bias": (0, kv),
-        "v_proj.weight": (0, kv), "v_proj.bias": (0, kv), "o_proj.weight": (1, q),
-        "gate_proj.weight": (0, part.intermediate), "gate_proj.bias": (0, part.intermediate),
-        "up_proj.weight": (0, part.intermediate), "up_proj.bias": (0, part.intermediate),
-        "down_proj.weight": (1, part.intermediate),
-        "embed_tokens.weight": (0, part.vocab), "lm_head.weight": (0, part.vocab),
+    part = parts[rank]
+    state = {  # a copy of each slice, so that the full model can be freed
+        name: shard_weight(name, tensor, part, config.head_dim).clone(memory_format=torch.contiguous_format)
+        for name, tensor in full.state_dict().items()
     }
-    state = {}
-    for name, tensor in full.state_dict().items():
-        rule = next((rule for ending, rule in slices.items() if name.endswith(ending)), None)
-        state[name] = tensor if rule is None else tensor.narrow(rule[0], rule[1][0], rule[1][1] - rule[1][0]).clone()
 
     local = local_config(config, part)
     with torch.device("meta"):
@@ -145,7 +165,9 @@ def shard_model(full: LlamaForCausalLM, rank: int, tp_size: int) -> LlamaForCaus
         model.model.embed_tokens = VocabParallelEmbedding(part.vocab, config.hidden_size)
         model.lm_head = ParallelLMHead([p.vocab for p in parts], rank, config.hidden_size)
         for layer in model.model.layers:
-            layer.self_attn.o_proj = RowParallelLinear(q[1] - q[0], config.hidden_size, bias=config.o_proj_bias)
+            layer.self_attn.o_proj = RowParallelLinear(
+                local.num_attention_heads * config.head_dim, config.hidden_size, bias=config.o_proj_bias
+            )
             layer.mlp.down_proj = RowParallelLinear(local.intermediate_size, config.hidden_size, bias=config.mlp_bias)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)

@@ -94,6 +94,8 @@ class LLMEngine:
         kv_reservation: str | None = None,
         tensor_parallel_size: int = 1,
         model_name: str | None = None,
+        distributed_executor_backend: str = "mp",
+        worker_multiproc_method: str = "spawn",
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.block_size, self.max_model_len = block_size, max_model_len
@@ -120,10 +122,16 @@ class LLMEngine:
         )
         if tensor_parallel_size == 1:
             self.model_runner = ModelRunner(model, **runner_kwargs)
-        else:  # the model split over processes, each loading `model_name` (solutions/executor/multiproc_executor.py)
+        elif distributed_executor_backend == "external_launcher":  # torchrun started every rank's engine
+            from solutions.executor.external_launcher import ExecutorWithExternalLauncher
+
+            self.model_runner = ExecutorWithExternalLauncher(model, tensor_parallel_size, runner_kwargs)
+        else:  # this process drives worker processes it starts (solutions/executor/multiproc_executor.py)
             from solutions.executor.multiproc_executor import MultiprocExecutor
 
-            self.model_runner = MultiprocExecutor(model_name, model, tensor_parallel_size, runner_kwargs)
+            self.model_runner = MultiprocExecutor(
+                model_name, model, tensor_parallel_size, runner_kwargs, start_method=worker_multiproc_method
+            )
         self.requests: dict[str, RequestState] = {}
         self._owner: dict[int, tuple[RequestState, int]] = {}  # seq_id -> (its request, its sample index)
         self._seq_ids = itertools.count()

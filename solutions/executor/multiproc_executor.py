@@ -9,13 +9,18 @@ forward pass on its slice of the weights (`solutions/distributed/layers.py`); th
 keep them in step, and the logits come out whole on every rank. Rank 0 samples; the others wait for the next
 broadcast. A broadcast of `None` stops them.
 
-The workers are started with "spawn" (a fresh interpreter, as the engine core's process in chapter 7) and each
-loads the checkpoint itself, then keeps its slice. On a CPU the ranks share the cores: each runs torch with
+The workers are started with "spawn" by default (a fresh interpreter, as the engine core's process in chapter 7):
+each loads the checkpoint itself, then keeps its slice, and runs the code `solutions/` holds on disk. With "fork"
+a worker is a copy of this process: it slices the model already in memory, and runs the code this process runs,
+including any a test or a notebook swapped in (chapter 9's capstone). A forked worker runs torch on 1 thread:
+GNU OpenMP's thread pool does not survive a fork, and a forked child that starts a team of 2 threads after its
+parent used one hangs (measured here). Otherwise the ranks share the cores: each runs torch with
 `cpu_count // tensor_parallel_size` threads. A worker that dies shows up at the next collective: gloo raises
 when its peer's connection closes, or after the group's timeout, and `execute_model` reports which rank is gone.
 
 Where this lives in vLLM: `vllm/v1/executor/multiproc_executor.py` (`MultiprocExecutor`, `WorkerProc`), which
-sends the `SchedulerOutput` through a shared-memory message queue rather than a gloo broadcast.
+sends the `SchedulerOutput` through a shared-memory message queue rather than a gloo broadcast; the start method
+is its `VLLM_WORKER_MULTIPROC_METHOD`.
 """
 
 import multiprocessing
@@ -25,6 +30,7 @@ import weakref
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from solutions.distributed.layers import shard_model
 from solutions.distributed.parallel_state import broadcast_object, destroy_tensor_parallel, init_tensor_parallel
@@ -44,12 +50,20 @@ def _threads_per_rank(tp_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // tp_size)
 
 
-def run_worker(rank: int, tp_size: int, init_method: str, model: str, dtype: torch.dtype, runner_kwargs: dict[str, Any]) -> None:
-    """A worker process: join the group, load and slice the model, then run every broadcast step until `None`."""
-    torch.set_num_threads(_threads_per_rank(tp_size))
+WORKER_MULTIPROC_METHODS = ("spawn", "fork")
+
+
+def run_worker(
+    rank: int, tp_size: int, init_method: str, model: str | LlamaForCausalLM, dtype: torch.dtype,
+    runner_kwargs: dict[str, Any], threads: int,
+) -> None:
+    """A worker process: join the group, slice the model (loading it first when given its name), then run every
+    broadcast step until `None`."""
+    torch.set_num_threads(threads)
     init_tensor_parallel(rank, tp_size, init_method)
     try:
-        runner = ModelRunner(shard_model(load_model(model, dtype=dtype), rank, tp_size), **runner_kwargs)
+        full = load_model(model, dtype=dtype) if isinstance(model, str) else model
+        runner = ModelRunner(shard_model(full, rank, tp_size), **runner_kwargs)
         while (scheduler_output := broadcast_object()) is not None:
             runner.execute_model(scheduler_output)
     finally:
@@ -60,18 +74,22 @@ class MultiprocExecutor:
     """Rank 0's side: the same `execute_model` as a `ModelRunner`, over `tp_size` ranks."""
 
     def __init__(
-        self, model: str, full_model: LlamaForCausalLM, tp_size: int, runner_kwargs: dict[str, Any]
+        self, model: str, full_model: LlamaForCausalLM, tp_size: int, runner_kwargs: dict[str, Any],
+        start_method: str = "spawn",
     ) -> None:
+        if start_method not in WORKER_MULTIPROC_METHODS:
+            raise ValueError(f"worker_multiproc_method must be one of {WORKER_MULTIPROC_METHODS}, got {start_method!r}")
         if torch.distributed.is_initialized():
             raise RuntimeError(
                 "this process already belongs to a tensor-parallel group: one tensor-parallel engine per process; "
                 "shut the other down first (its llm_engine.model_runner.shutdown())"
             )
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        context = multiprocessing.get_context("spawn")
+        context = multiprocessing.get_context(start_method)
         dtype = full_model.model.embed_tokens.weight.dtype
+        source, worker_threads = (model, _threads_per_rank(tp_size)) if start_method == "spawn" else (full_model, 1)
         self.workers = [
-            context.Process(target=run_worker, args=(rank, tp_size, init_method, model, dtype, runner_kwargs),
+            context.Process(target=run_worker, args=(rank, tp_size, init_method, source, dtype, runner_kwargs, worker_threads),
                             name=f"tp-worker-{rank}", daemon=True)
             for rank in range(1, tp_size)
         ]
@@ -79,10 +97,14 @@ class MultiprocExecutor:
             worker.start()
         threads = torch.get_num_threads()
         torch.set_num_threads(_threads_per_rank(tp_size))  # given back at shutdown
-        init_tensor_parallel(0, tp_size, init_method)  # returns once every worker has joined
-        self.model_runner = ModelRunner(shard_model(full_model, 0, tp_size), **runner_kwargs)
-        self.kv_cache = self.model_runner.kv_cache  # rank 0's: its heads of every block
         self._finalizer = weakref.finalize(self, _shut_down, self.workers, threads)
+        try:
+            init_tensor_parallel(0, tp_size, init_method)  # returns once every worker has joined
+            self.model_runner = ModelRunner(shard_model(full_model, 0, tp_size), **runner_kwargs)
+        except BaseException:
+            self._finalizer()  # no worker, group or thread setting outlives a failed start
+            raise
+        self.kv_cache = self.model_runner.kv_cache  # rank 0's: its heads of every block
 
     def execute_model(self, scheduler_output: SchedulerOutput, seconds: dict[str, float] | None = None) -> torch.Tensor:
         dead = [worker.name for worker in self.workers if not worker.is_alive()]
@@ -102,7 +124,7 @@ class MultiprocExecutor:
 def _shut_down(workers: list[multiprocessing.Process], threads: int) -> None:
     """Stop the workers (a `None` step), leave the group, and give this process its torch threads back; a worker
     that does not stop is killed."""
-    if all(worker.is_alive() for worker in workers):
+    if dist.is_initialized() and all(worker.is_alive() for worker in workers):
         try:
             broadcast_object(None)
         except RuntimeError:
