@@ -4,6 +4,7 @@ and a paper model of when splitting pays.
     python -m benchmarks.tensor_parallel            # W64 at TP=1 and TP=2, SmolLM2, greedy (several minutes)
     python -m benchmarks.tensor_parallel --quick    # 16 requests of W64's shape
     python -m benchmarks.tensor_parallel --json     # one JSON object
+    python -m benchmarks.tensor_parallel --save chapters/09_tensor_parallelism/tensor_parallel.json   # the stored run
 
 Measured, in one run:
     throughput   W64 (`benchmarks/w64.py`) through `LLM(tensor_parallel_size=t)`, t = 1 and 2, output tok/s; the
@@ -28,6 +29,7 @@ import multiprocessing
 import os
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -141,6 +143,15 @@ def model_step_ms(batch: int, tp: int, flops_per_token: float, rate_gflops: floa
     return {"compute_ms": 1e3 * compute, "comm_ms": 1e3 * comm}
 
 
+def cpu_name() -> str:
+    """The CPU's model name, as /proc/cpuinfo gives it (a stored run names its machine)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "unknown CPU"
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
+
+
 def run(quick: bool) -> dict:
     from solutions.model.loader import load_model
 
@@ -162,15 +173,18 @@ def run(quick: bool) -> dict:
     }
     for r in runs:
         del r["tokens"]
-    return {"model": MODEL, "num_requests": len(prompts), "cpu_count": threads, "runs": runs,
+    return {"model": MODEL, "machine": cpu_name(), "date": time.strftime("%Y-%m-%d"), "num_requests": len(prompts),
+            "cpu_count": threads, "runs": runs,
             "requests_with_equal_tokens": agree, "all_reduce": all_reduce, "matmul": matmul,
             "all_reduce_bytes_per_token": bytes_per_token, "logits_gather_bytes_per_sampled_row": 4 * config.vocab_size,
             "paper_model_step_ms": paper}
 
 
 def table(result: dict) -> str:
+    result = json.loads(json.dumps(result))  # one form, fresh or stored: JSON's keys are strings
     one, two = result["runs"]
-    lines = [f"W{result['num_requests']}, {result['model']}, greedy, {result['cpu_count']} cores",
+    lines = [f"W{result['num_requests']}, {result['model']}, greedy, {result['cpu_count']} cores "
+             f"({result.get('machine', 'machine not recorded')}, {result.get('date', 'date not recorded')})",
              f"{'ranks':>5} {'tok/s':>8} {'vs TP=1':>8}   median decode step ms by batch",
              *(f"{r['tp']:>5} {r['tok_s']:>8.1f} {r['tok_s'] / one['tok_s']:>7.2f}×   "
                + ", ".join(f"{b}: {ms:.1f}" for b, ms in r["decode_step_ms"].items()) for r in (one, two)),
@@ -184,7 +198,7 @@ def table(result: dict) -> str:
     lines.append("paper model (matmuls and collectives only) beside the measured decode step, ms:")
     lines.append(f"{'batch':>5} {'TP=1 model':>11} {'measured':>9} {'TP=2 model (compute + comm)':>30} {'measured':>9}")
     for batch, by_tp in result["paper_model_step_ms"].items():
-        a, b = by_tp[1], by_tp[2]
+        a, b = by_tp["1"], by_tp["2"]
         m1, m2 = (r["decode_step_ms"].get(batch) for r in (one, two))
         lines.append(f"{batch:>5} {a['compute_ms']:>11.1f} {'-' if m1 is None else f'{m1:.1f}':>9} "
                      f"{b['compute_ms'] + b['comm_ms']:>10.1f} ({b['compute_ms']:.1f} + {b['comm_ms']:.1f}){'':>6} "
@@ -196,9 +210,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="16 requests instead of 64")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--save", type=Path, help="also write the JSON object to this file")
     args = parser.parse_args()
     result = run(args.quick)
     print(json.dumps(result) if args.json else table(result))
+    if args.save:
+        args.save.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

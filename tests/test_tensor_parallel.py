@@ -5,9 +5,17 @@ tie: the partial sums of a row-parallel layer are added in another order) on Smo
 heads do not split evenly over 2 ranks — under preemption, chunked prefill, prefix-cache hits and n > 1 forks
 (copy-on-write), and on tiny models whose heads split evenly and whose one K/V head is replicated; seeded sampling
 gives the same samples at both sizes (on the tiny models; see below for SmolLM2); a worker that dies is an error
-at the next step, not a hang.
+at the next step, not a hang. Forked workers run this process's code (a patch here changes their tokens), and
+`torchrun` with the external launcher runs every rank as the same engine, with one rank's tokens on each.
 """
 
+
+import dataclasses
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,9 +23,11 @@ import torch
 from grading.parity import assert_greedy_close, hf_greedy, hf_oracle
 from grading.tiny_models import tiny_checkpoint
 from solutions import LLM, SamplingParams
+from solutions.distributed import layers
 from solutions.distributed.layers import RowParallelLinear, partition, split_evenly
 from solutions.model.loader import load_model, resolve_model
 
+ROOT = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 SAMPLED = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -32,6 +42,12 @@ def prompts(vocab_size: int, count: int = 8, seed: int = 0) -> list[list[int]]:
     own = [torch.randint(100, vocab_size, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
            for _ in range(count)]
     return [shared + p if i % 2 == 0 else p for i, p in enumerate(own)]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[list[int]]]:
@@ -105,9 +121,78 @@ def test_row_and_column_slices_of_a_linear_sum_to_the_whole():
     torch.testing.assert_close(row(x @ w1.T), torch.nn.functional.linear(x @ w1.T, row.weight, row.bias))
 
 
+def test_forked_workers_give_the_same_tokens_and_run_this_processs_code(monkeypatch):
+    """With "fork" a worker is a copy of this process: it slices the model already in memory and runs whatever
+    this process runs. A `shard_weight` patched here (K/V heads taken from the wrong rank) changes the tokens of a
+    forked engine, which proves the workers ran it; the unpatched forked engine gives spawn's tokens."""
+    path, batch = str(tiny_checkpoint("llama-gqa")), [[5, 6, 7], [9, 10, 11, 12, 13]]
+    spawned = LLM(path, tensor_parallel_size=2, max_model_len=64)
+    try:
+        want = generate(spawned, batch, GREEDY)
+    finally:
+        spawned.llm_engine.model_runner.shutdown()
+    forked = LLM(path, tensor_parallel_size=2, max_model_len=64, worker_multiproc_method="fork")
+    try:
+        assert generate(forked, batch, GREEDY) == want
+    finally:
+        forked.llm_engine.model_runner.shutdown()
+    reference = layers.shard_weight
+
+    def other_kv_head(name, tensor, part, head_dim):
+        if name.split(".")[-2] in ("k_proj", "v_proj"):
+            part = dataclasses.replace(part, kv_heads=(1 - part.kv_heads[0], 2 - part.kv_heads[0]))
+        return reference(name, tensor, part, head_dim)
+
+    monkeypatch.setattr(layers, "shard_weight", other_kv_head)
+    patched = LLM(path, tensor_parallel_size=2, max_model_len=64, worker_multiproc_method="fork")
+    try:
+        assert generate(patched, batch, GREEDY) != want
+    finally:
+        patched.llm_engine.model_runner.shutdown()
+
+
+TORCHRUN_SCRIPT = """
+import json, os, sys
+from solutions import LLM, SamplingParams
+llm = LLM(sys.argv[1], tensor_parallel_size=2, distributed_executor_backend="external_launcher", max_model_len=64)
+outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+samples = llm.generate(json.loads(sys.argv[2]), SamplingParams(n=2, temperature=1.0, max_tokens=8), use_tqdm=False)
+llm.llm_engine.model_runner.shutdown()
+with open(os.path.join(sys.argv[3], f"rank{os.environ['RANK']}.json"), "w") as f:
+    json.dump({"greedy": [o.outputs[0].token_ids for o in outs],
+               "sampled": [[c.token_ids for c in o.outputs] for o in samples]}, f)
+"""
+
+
+def test_torchrun_runs_every_rank_as_the_same_engine(tmp_path):
+    """`torchrun --nproc-per-node 2` and `distributed_executor_backend="external_launcher"`: each rank builds the
+    same LLM; both return one rank's greedy tokens, and the same unseeded samples (one engine seed, same steps)."""
+    path = str(tiny_checkpoint("llama-gqa"))
+    batch = prompts(256, count=4)
+    script = tmp_path / "tp.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+               str(script), path, json.dumps(batch), str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1], "every rank returns the same outputs"
+    one = LLM(path, max_model_len=64)
+    assert ranks[0]["greedy"] == [tokens for (tokens,) in generate(one, batch, GREEDY)]
+
+
+def test_external_launcher_outside_torchrun_says_how_to_start_it(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="torchrun --nproc-per-node 2"):
+        LLM(str(tiny_checkpoint("llama-gqa")), tensor_parallel_size=2, distributed_executor_backend="external_launcher")
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive int"),
     (dict(tensor_parallel_size=2, attention_backend="inductor"), "tensor_parallel_size=2 runs on the CPU"),
+    (dict(distributed_executor_backend="ray"), "distributed_executor_backend must be one of"),
+    (dict(worker_multiproc_method="forkserver"), "worker_multiproc_method must be one of"),
 ])
 def test_bad_tensor_parallel_options_are_refused(options, message):
     with pytest.raises(ValueError, match=message):
