@@ -6,6 +6,7 @@
 """
 
 import dataclasses
+import os
 from collections.abc import Sequence as Seq
 
 import torch
@@ -51,6 +52,21 @@ def resolve_device_and_dtype(device: str, dtype: str | torch.dtype) -> tuple[tor
     return torch.device(device), DTYPES[name]
 
 
+def check_gpus_for_tensor_parallel(tp_size: int, executor_backend: str, multiproc_method: str) -> None:
+    """Tensor parallelism on GPUs: one GPU per rank on this node, and workers that start fresh (CUDA does not
+    survive a fork). ValueError naming the field otherwise."""
+    if multiproc_method == "fork":
+        raise ValueError(
+            "worker_multiproc_method='fork' cannot start GPU workers (CUDA does not survive a fork): use 'spawn' "
+            "with device='cuda'"
+        )
+    if executor_backend == "mp" and torch.cuda.device_count() < tp_size:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} needs {tp_size} GPUs on this machine, one per rank; "
+            f"{torch.cuda.device_count()} are visible"
+        )
+
+
 def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -89,7 +105,8 @@ class LLM:
     (`solutions/executor/multiproc_executor.py`; `worker_multiproc_method="fork"` copies this process instead of
     starting fresh interpreters). With `distributed_executor_backend="external_launcher"` the script runs under
     `torchrun --nproc-per-node N`, every rank builds the same `LLM` and gets the same outputs
-    (`solutions/executor/external_launcher.py`). On the CPU only (gloo), with the "torch" or "triton" backend.
+    (`solutions/executor/external_launcher.py`). Ranks talk through gloo on the CPU and NCCL on GPUs (one GPU per
+    rank, rank r on cuda:r; their steps run eagerly, without CUDA graphs), with the "torch" or "triton" backend.
     """
 
     def __init__(
@@ -135,10 +152,10 @@ class LLM:
         if not isinstance(enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {enforce_eager!r}")
         tensor_parallel_size = _positive_int("tensor_parallel_size", tensor_parallel_size)
-        if tensor_parallel_size > 1 and (device != "cpu" or attention_backend == "inductor"):
+        if tensor_parallel_size > 1 and attention_backend == "inductor":
             raise ValueError(
-                f"tensor_parallel_size={tensor_parallel_size} runs on the CPU (device='cpu') with attention_backend "
-                f"'torch' or 'triton'; got device={device!r}, attention_backend={attention_backend!r}"
+                f"tensor_parallel_size={tensor_parallel_size} runs with attention_backend 'torch' or 'triton'; the "
+                "inductor fast path compiles one process's whole model, got attention_backend='inductor'"
             )
         if distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError(
@@ -146,6 +163,8 @@ class LLM:
             )
         if worker_multiproc_method not in WORKER_MULTIPROC_METHODS:
             raise ValueError(f"worker_multiproc_method must be one of {WORKER_MULTIPROC_METHODS}, got {worker_multiproc_method!r}")
+        if tensor_parallel_size > 1 and device == "cuda":
+            check_gpus_for_tensor_parallel(tensor_parallel_size, distributed_executor_backend, worker_multiproc_method)
         if kv_reservation is not None:
             reservation_policy(kv_reservation)  # ValueError naming the field, before the model loads
         self.device, self.dtype = resolve_device_and_dtype(device, dtype)
@@ -162,6 +181,11 @@ class LLM:
                     "attention_backend='triton' with device='cpu' needs Triton's interpreter, which is off here: a "
                     "GPU is present, so the kernels compile for it. Use device='cuda', or attention_backend='torch'"
                 )
+        if tensor_parallel_size > 1 and self.device.type == "cuda":
+            # One GPU per rank: rank r on cuda:r (under torchrun, this node's LOCAL_RANK); NCCL joins them.
+            local_rank = int(os.environ.get("LOCAL_RANK", 0)) if distributed_executor_backend == "external_launcher" else 0
+            self.device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(self.device)
         self.model = load_model(model, device=self.device, dtype=self.dtype)
         self.tokenizer = load_tokenizer(model)
         limit = self.model.config.max_position_embeddings

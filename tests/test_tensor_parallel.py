@@ -190,7 +190,9 @@ def test_external_launcher_outside_torchrun_says_how_to_start_it(monkeypatch):
 
 @pytest.mark.parametrize("options, message", [
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive int"),
-    (dict(tensor_parallel_size=2, attention_backend="inductor"), "tensor_parallel_size=2 runs on the CPU"),
+    (dict(tensor_parallel_size=2, attention_backend="inductor"), "tensor_parallel_size=2 runs with attention_backend"),
+    (dict(tensor_parallel_size=2, device="cuda", worker_multiproc_method="fork"), "cannot start GPU workers"),
+    (dict(tensor_parallel_size=max(2, torch.cuda.device_count() + 1), device="cuda"), "GPUs on this machine, one per rank"),
     (dict(distributed_executor_backend="ray"), "distributed_executor_backend must be one of"),
     (dict(worker_multiproc_method="forkserver"), "worker_multiproc_method must be one of"),
 ])

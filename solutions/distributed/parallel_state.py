@@ -3,7 +3,7 @@
 Every rank (one process each) runs the same forward pass on its slice of the weights. Two collectives join the
 slices: an all-reduce sums the partial outputs of a row-parallel layer, and an all-gather joins the logits of
 the vocabulary's slices. A third, a broadcast of a Python object, carries each step's `SchedulerOutput` from
-rank 0 (the engine) to the others. gloo runs them on the CPU; NCCL would on GPUs.
+rank 0 (the engine) to the others. gloo runs them on the CPU, NCCL on GPUs (one GPU per rank).
 
 A collective waits for every rank. So a rank that dies would leave the others waiting forever: the group is
 made with a timeout, and a collective that does not complete within it raises instead of hanging.
@@ -21,10 +21,13 @@ import torch.distributed as dist
 COLLECTIVE_TIMEOUT_SECONDS = 60.0  # a step never takes this long here; a peer that is silent this long is dead
 
 
-def init_tensor_parallel(rank: int, world_size: int, init_method: str, timeout: float = COLLECTIVE_TIMEOUT_SECONDS) -> None:
-    """Join the group of `world_size` ranks at `init_method` (e.g. "tcp://127.0.0.1:29500") as `rank`."""
+def init_tensor_parallel(
+    rank: int, world_size: int, init_method: str, timeout: float = COLLECTIVE_TIMEOUT_SECONDS, device: str = "cpu"
+) -> None:
+    """Join the group of `world_size` ranks at `init_method` (e.g. "tcp://127.0.0.1:29500") as `rank`: gloo for
+    tensors on the CPU, NCCL for tensors on GPUs (`device="cuda"`)."""
     dist.init_process_group(
-        "gloo", init_method=init_method, rank=rank, world_size=world_size,
+        "nccl" if device == "cuda" else "gloo", init_method=init_method, rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout),
     )
 

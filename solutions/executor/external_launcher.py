@@ -44,7 +44,10 @@ class ExecutorWithExternalLauncher:
             raise ValueError(
                 f"tensor_parallel_size={tp_size} must equal the number of processes torchrun started (WORLD_SIZE={world_size})"
             )
-        init_tensor_parallel(rank, world_size, "env://")
+        device_type = full_model.model.embed_tokens.weight.device.type  # on GPUs: this rank's own (LLM chose it)
+        if device_type == "cuda":  # NCCL; steps run eagerly (no CUDA graphs across ranks)
+            runner_kwargs = {**runner_kwargs, "enforce_eager": True}
+        init_tensor_parallel(rank, world_size, "env://", device=device_type)
         self.model_runner = ModelRunner(shard_model(full_model, rank, world_size), **runner_kwargs)
         self.kv_cache = self.model_runner.kv_cache  # this rank's heads of every block
 

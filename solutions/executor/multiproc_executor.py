@@ -15,8 +15,10 @@ a worker is a copy of this process: it slices the model already in memory, and r
 including any a test or a notebook swapped in (chapter 9's capstone). A forked worker runs torch on 1 thread:
 GNU OpenMP's thread pool does not survive a fork, and a forked child that starts a team of 2 threads after its
 parent used one hangs (measured here). Otherwise the ranks share the cores: each runs torch with
-`cpu_count // tensor_parallel_size` threads. A worker that dies shows up at the next collective: gloo raises
-when its peer's connection closes, or after the group's timeout, and `execute_model` reports which rank is gone.
+`cpu_count // tensor_parallel_size` threads. On GPUs each rank has its own (rank r on cuda:r), NCCL carries the
+collectives, workers must be spawned (CUDA does not survive a fork), and steps run eagerly. A worker that dies
+shows up at the next collective: gloo raises when its peer's connection closes, or after the group's timeout, and
+`execute_model` reports which rank is gone.
 
 Where this lives in vLLM: `vllm/v1/executor/multiproc_executor.py` (`MultiprocExecutor`, `WorkerProc`), which
 sends the `SchedulerOutput` through a shared-memory message queue rather than a gloo broadcast; the start method
@@ -55,14 +57,17 @@ WORKER_MULTIPROC_METHODS = ("spawn", "fork")
 
 def run_worker(
     rank: int, tp_size: int, init_method: str, model: str | LlamaForCausalLM, dtype: torch.dtype,
-    runner_kwargs: dict[str, Any], threads: int,
+    runner_kwargs: dict[str, Any], threads: int, device_type: str = "cpu",
 ) -> None:
-    """A worker process: join the group, slice the model (loading it first when given its name), then run every
-    broadcast step until `None`."""
+    """A worker process: join the group, slice the model (loading it first when given its name; on GPUs onto this
+    rank's own, cuda:rank), then run every broadcast step until `None`."""
     torch.set_num_threads(threads)
-    init_tensor_parallel(rank, tp_size, init_method)
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    init_tensor_parallel(rank, tp_size, init_method, device=device.type)
     try:
-        full = load_model(model, dtype=dtype) if isinstance(model, str) else model
+        full = load_model(model, device=device, dtype=dtype) if isinstance(model, str) else model
         runner = ModelRunner(shard_model(full, rank, tp_size), **runner_kwargs)
         while (scheduler_output := broadcast_object()) is not None:
             runner.execute_model(scheduler_output)
@@ -86,10 +91,12 @@ class MultiprocExecutor:
             )
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         context = multiprocessing.get_context(start_method)
-        dtype = full_model.model.embed_tokens.weight.dtype
+        dtype, device_type = full_model.model.embed_tokens.weight.dtype, full_model.model.embed_tokens.weight.device.type
+        if device_type == "cuda":  # NCCL, one GPU per rank; steps run eagerly (no CUDA graphs across ranks)
+            runner_kwargs = {**runner_kwargs, "enforce_eager": True}
         source, worker_threads = (model, _threads_per_rank(tp_size)) if start_method == "spawn" else (full_model, 1)
         self.workers = [
-            context.Process(target=run_worker, args=(rank, tp_size, init_method, source, dtype, runner_kwargs, worker_threads),
+            context.Process(target=run_worker, args=(rank, tp_size, init_method, source, dtype, runner_kwargs, worker_threads, device_type),
                             name=f"tp-worker-{rank}", daemon=True)
             for rank in range(1, tp_size)
         ]
@@ -99,7 +106,7 @@ class MultiprocExecutor:
         torch.set_num_threads(_threads_per_rank(tp_size))  # given back at shutdown
         self._finalizer = weakref.finalize(self, _shut_down, self.workers, threads)
         try:
-            init_tensor_parallel(0, tp_size, init_method)  # returns once every worker has joined
+            init_tensor_parallel(0, tp_size, init_method, device=device_type)  # returns once every worker has joined
             self.model_runner = ModelRunner(shard_model(full_model, 0, tp_size), **runner_kwargs)
         except BaseException:
             self._finalizer()  # no worker, group or thread setting outlives a failed start
