@@ -9,6 +9,7 @@ import torch._dynamo
 from grading.parity import assert_greedy_close, hf_greedy, hf_oracle
 from grading.tiny_models import tiny_checkpoint
 from solutions import LLM, SamplingParams
+from solutions.attention.cpu_kernels import paged_decode_attention as c_paged_decode_attention
 from solutions.attention.inductor_backend import compiled_paged_decode_attention, paged_decode_attention
 from solutions.attention.torch_backend import batched_decode_attention
 from solutions.model.loader import resolve_model
@@ -38,8 +39,8 @@ def prompts_with_a_shared_head(count: int, vocab_size: int, seed: int) -> list[l
 
 @pytest.mark.parametrize(
     "num_seqs, max_blocks, block_size, num_kv_heads, group",
-    [(5, 4, 4, 2, 3), (1, 1, 4, 2, 3), (1, 6, 8, 1, 4), (7, 1, 16, 3, 3), (3, 9, 2, 4, 1)],
-    ids=["batch", "one-seq-one-block", "one-seq-mqa", "one-block-each", "mha"],
+    [(5, 4, 4, 2, 3), (1, 1, 4, 2, 3), (1, 6, 8, 1, 4), (7, 1, 16, 3, 3), (3, 9, 2, 4, 1), (4, 40, 1, 3, 3)],
+    ids=["batch", "one-seq-one-block", "one-seq-mqa", "one-block-each", "mha", "block-size-1"],
 )
 def test_in_place_decode_attention_equals_the_gather_then_sdpa(num_seqs, max_blocks, block_size, num_kv_heads, group):
     g = torch.Generator().manual_seed(num_seqs * 100 + max_blocks)
@@ -50,9 +51,26 @@ def test_in_place_decode_attention_equals_the_gather_then_sdpa(num_seqs, max_blo
     seq_lens = torch.randint(1, max_blocks * block_size + 1, (num_seqs,), generator=g)
     q = torch.randn(num_seqs, num_kv_heads * group, D, generator=g)
     expected = batched_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, D**-0.5)
-    for attend in (paged_decode_attention, compiled_paged_decode_attention):
+    for attend in (paged_decode_attention, compiled_paged_decode_attention, c_paged_decode_attention):
         got = attend(q, key_cache, value_cache, block_tables, seq_lens, D**-0.5)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_c_decode_kernel_at_smollm2s_shape_over_long_contexts():
+    """The C kernel (`solutions/attention/cpu_kernels.py`) at SmolLM2's heads (9 query, 3 K/V, D 64), block 16,
+    contexts up to 1,000 tokens on shuffled tables wider than any sequence needs; bf16 is left to the compiled loop."""
+    from solutions.attention import cpu_kernels
+
+    g = torch.Generator().manual_seed(7)
+    key_cache, value_cache = torch.randn(400, 16, 3, 64, generator=g), torch.randn(400, 16, 3, 64, generator=g)
+    seq_lens = torch.tensor([1, 16, 17, 255, 1000, 640])
+    block_tables = torch.randperm(400, generator=g)[: 6 * 64].view(6, 64)
+    q = torch.randn(6, 9, 64, generator=g)
+    expected = batched_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, 0.125)
+    torch.testing.assert_close(c_paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, 0.125),
+                               expected, rtol=1e-5, atol=1e-5)
+    assert cpu_kernels.supports(q, key_cache)
+    assert not cpu_kernels.supports(q.bfloat16(), key_cache.bfloat16())
 
 
 # --- the compiled forward pass ------------------------------------------------------------------------------

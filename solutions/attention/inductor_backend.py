@@ -13,6 +13,11 @@ fuses the indexing into the reductions, so each key and value is loaded from its
 lies: one pass over the context, no copy. What chapter 6's Triton kernel does by hand, a compiler does here
 from eight lines of PyTorch.
 
+The compiled loop pads every sequence to the longest in the batch, and reads the cache at a fraction of the
+machine's bandwidth; so in fp32, the CPU's dtype for this engine, decodes go to a kernel written by hand
+(`cpu_kernels.py`, chapter 6's online softmax in C: one pass per sequence and K/V head, nothing past its length),
+and the compiled loop serves the rest (bf16).
+
 Prefills are as in the torch backend (SDPA on the new tokens, or a gather for a chunk with earlier context):
 few per step and large, their cost is their matmuls.
 
@@ -22,6 +27,7 @@ paged-attention kernels in `csrc/cpu/`).
 
 import torch
 
+from solutions.attention import cpu_kernels
 from solutions.attention.torch_backend import TorchAttentionBackend
 
 
@@ -72,7 +78,18 @@ def compiled_paged_decode_attention(
     return _compiled(q, key_cache, value_cache, block_tables, seq_lens, scale)[:Bd]
 
 
-class InductorAttentionBackend(TorchAttentionBackend):
-    """The torch backend with its decodes attended in place (`compiled_paged_decode_attention`)."""
+def fast_decode_attention(
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """In place: the hand-written C kernel where it applies (fp32 on the CPU, `cpu_kernels.py`), else the compiled
+    loop above (bf16)."""
+    if cpu_kernels.supports(q, key_cache):
+        return cpu_kernels.paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale)
+    return compiled_paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale)
 
-    decode_attention = staticmethod(compiled_paged_decode_attention)
+
+class InductorAttentionBackend(TorchAttentionBackend):
+    """The torch backend with its decodes attended in place (`fast_decode_attention`)."""
+
+    decode_attention = staticmethod(fast_decode_attention)

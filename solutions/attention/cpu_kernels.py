@@ -1,0 +1,91 @@
+"""Chapter 6's paged decode kernel, hand-written in C for the CPU (`csrc/paged_decode.c`), called from PyTorch.
+
+The inductor backend's decode attention is eight lines of PyTorch that `torch.compile` fuses into one loop; the
+loop it emits pads every sequence to the longest in the batch and reads the cache at a fraction of the machine's
+bandwidth. This kernel does what chapter 6's Triton kernel does on a GPU: one task per (sequence, K/V head), the
+group's queries held while the sequence's blocks stream past once, an online softmax, nothing read past the
+sequence's own length.
+
+The source is compiled on first use with the machine's C compiler (`gcc -O3 -march=native -fopenmp`, or `$CC`)
+into the course's cache folder, keyed by the source, the flags and the CPU, and loaded with `ctypes`; OpenMP
+binds to the runtime torch already loaded (the same `libgomp.so.1`), so the kernel and torch share one thread
+pool. It takes fp32 on the CPU; `supports` says whether a call qualifies.
+
+Where this lives in vLLM: `csrc/cpu/attention.cpp` (`paged_attention_v1` / `_v2` for the CPU, in C++ with
+vector intrinsics), called from `vllm/v1/attention/backends/cpu_attn.py`.
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from solutions.model.loader import cache_dir
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 64, 256, 64  # the C source's fixed buffers
+
+
+def _cpu_identity() -> str:
+    """The CPU model and its feature flags: a library built with -march=native runs only where they match."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return "\n".join(dict.fromkeys(line for line in lines if line.startswith(("model name", "flags"))))
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    """Build (once per source, flags and CPU) and load the kernel library."""
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        raise RuntimeError("the CPU paged-decode kernel needs a C compiler (gcc, or $CC); install gcc")
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *FLAGS)).encode() + _cpu_identity().encode())
+    target = cache_dir() / "cpu_kernels" / f"paged_decode-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+        build = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"], capture_output=True, text=True)
+        if build.returncode != 0:
+            raise RuntimeError(f"compiling {SOURCE.name} failed:\n{build.stderr}")
+        os.replace(partial, target)  # atomic: a concurrent build never loads half a file
+    library = ctypes.CDLL(str(target))
+    library.paged_decode_attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+    library.paged_decode_attention.restype = None
+    return library
+
+
+def supports(q: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether the C kernel takes these tensors: fp32 on the CPU, within its fixed buffer sizes."""
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    return (q.device.type == "cpu" and q.dtype == key_cache.dtype == torch.float32 and head_dim <= MAX_HEAD_DIM
+            and block_size <= MAX_BLOCK_SIZE and q.shape[1] // num_kv_heads <= MAX_GROUP)
+
+
+def paged_decode_attention(
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """One query per sequence, q (Bd, Hq, D), over each sequence's paged context -> (Bd, Hq, D), in C.
+
+    `block_tables` (Bd, max_blocks) and `seq_lens` (Bd,) as the torch backend takes them.
+    """
+    num_seqs, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    # Every tensor the C code reads is held by a name here until it returns: its memory must outlive the call.
+    q, keys, values = q.contiguous(), key_cache.contiguous(), value_cache.contiguous()
+    tables, lens = block_tables.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous()
+    out = torch.empty_like(q)
+    _library().paged_decode_attention(
+        q.data_ptr(), keys.data_ptr(), values.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+        num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, tables.shape[1], scale,
+    )
+    return out
