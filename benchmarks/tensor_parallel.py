@@ -91,12 +91,12 @@ def _all_reduce_probe(rank: int, init_method: str, sizes: list[int], results: "m
 
 def measure_all_reduce(hidden_size: int) -> dict:
     """Seconds per all-reduce of B·D floats between 2 processes, and the alpha-beta fit."""
-    from solutions.executor.multiproc_executor import _free_port
+    from solutions.distributed.parallel_state import free_port
 
     sizes = [b * hidden_size for b in ALL_REDUCE_TOKENS]
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    init_method = f"tcp://127.0.0.1:{free_port()}"
     procs = [context.Process(target=_all_reduce_probe, args=(r, init_method, sizes, results)) for r in range(2)]
     for p in procs:
         p.start()

@@ -20,6 +20,7 @@ same tokens, so it can never go stale.
 """
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import json
@@ -95,6 +96,21 @@ def smollm2_beams(index: int) -> list[list[int]]:
     if not 0 <= index < NUM_BEAM_PROMPTS:
         raise ValueError(f"index must be in 0..{NUM_BEAM_PROMPTS - 1} (prompts with stored beams), got {index}")
     return _oracle()["beams"][index]["beams"]
+
+
+def generate_batch(engine: Any, requests: list[tuple[str | list[int], Any]]) -> list[Any]:
+    """`LLM.generate` on an `LLMEngine`: every (prompt, SamplingParams) request in one batch, the finished
+    `RequestOutput`s in request order (a capstone builds its engine itself, to run it inside `swap_in`)."""
+    from solutions.sampling_params import RequestOutputKind
+
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(str(i), prompt, dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY))
+    finished: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    return [finished[str(i)] for i in range(len(requests))]
 
 
 # --- the swap ----------------------------------------------------------------------------------------------------

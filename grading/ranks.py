@@ -11,22 +11,15 @@ the group's timeout: a wrong layer fails, it does not hang.
 
 import multiprocessing
 import queue
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from solutions.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from solutions.distributed.parallel_state import destroy_tensor_parallel, free_port, init_tensor_parallel
 
 COLLECTIVE_TIMEOUT_SECONDS = 20.0
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, init_method: str, args: tuple, results: Any) -> None:
@@ -44,7 +37,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[An
     """`[fn(rank, *args) for rank in range(world_size)]`, each call on its own rank of one gloo group."""
     context = multiprocessing.get_context("fork")
     results = context.Queue()
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    init_method = f"tcp://127.0.0.1:{free_port()}"
     ranks = [context.Process(target=_rank_main, args=(fn, rank, world_size, init_method, args, results), daemon=True)
              for rank in range(world_size)]
     for process in ranks:

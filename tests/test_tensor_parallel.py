@@ -12,7 +12,6 @@ at the next step, not a hang. Forked workers run this process's code (a patch he
 
 import dataclasses
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from grading.tiny_models import tiny_checkpoint
 from solutions import LLM, SamplingParams
 from solutions.distributed import layers
 from solutions.distributed.layers import RowParallelLinear, partition, split_evenly
+from solutions.distributed.parallel_state import free_port
 from solutions.model.loader import load_model, resolve_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,12 +42,6 @@ def prompts(vocab_size: int, count: int = 8, seed: int = 0) -> list[list[int]]:
     own = [torch.randint(100, vocab_size, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
            for _ in range(count)]
     return [shared + p if i % 2 == 0 else p for i, p in enumerate(own)]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[list[int]]]:

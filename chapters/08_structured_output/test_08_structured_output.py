@@ -7,7 +7,6 @@ scan of SmolLM2's vocabulary, and, for the capstone, `json.loads`, `jsonschema` 
 SmolLM2's sampled outputs, and Hugging Face's greedy tokens for a request that shares their batch.
 """
 
-import dataclasses
 import functools
 import json
 import random
@@ -17,11 +16,10 @@ import pytest
 import torch
 
 from grading import exercising, expect_equal
-from grading.capstone import CAPSTONE_PROMPTS, smollm2, smollm2_greedy, swap_in
+from grading.capstone import CAPSTONE_PROMPTS, generate_batch, smollm2, smollm2_greedy, swap_in
 from solutions import SamplingParams, StructuredOutputsParams
 from solutions.engine.llm_engine import LLMEngine
-from solutions.outputs import FinishReason, RequestOutput
-from solutions.sampling_params import RequestOutputKind
+from solutions.outputs import FinishReason
 from solutions.structured_output import bitmask, choice
 from solutions.structured_output.choice import TokenTexts
 
@@ -386,18 +384,6 @@ def capstone_requests(tokenizer) -> list[tuple[str | list[int], SamplingParams]]
     return [*person, city, free]
 
 
-def generate(engine: LLMEngine, requests: list[tuple[str | list[int], SamplingParams]]) -> list[RequestOutput]:
-    """`LLM.generate` on `engine`: all the requests in one batch, the finished outputs in request order."""
-    for i, (prompt, params) in enumerate(requests):
-        engine.add_request(str(i), prompt, dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY))
-    finished: dict[str, RequestOutput] = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output
-    return [finished[str(i)] for i in range(len(requests))]
-
-
 @pytest.mark.exercise("capstone")
 @pytest.mark.timeout(180)  # a real model: a few seconds on an idle machine
 def test_capstone_your_masks_in_the_engine_give_valid_json_and_choices_on_smollm2(impl):
@@ -409,7 +395,7 @@ def test_capstone_your_masks_in_the_engine_give_valid_json_and_choices_on_smollm
     with swap_in(impl, REFERENCE):  # your masks, applied by the engine's sampler; your ChoiceGrammar for `choice`
         engine = LLMEngine(model, tokenizer, **CAPSTONE_ENGINE)  # fresh: no request of an earlier run left in it
         try:
-            outputs = generate(engine, requests)
+            outputs = generate_batch(engine, requests)
         except RuntimeError as error:
             if "mask forbids" not in str(error):
                 raise

@@ -14,15 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from grading import exercising, expect_close, expect_equal, expect_raises
-from grading.capstone import CAPSTONE_PROMPTS, smollm2, smollm2_greedy, swap_in
+from grading.capstone import CAPSTONE_PROMPTS, generate_batch, smollm2, smollm2_greedy, swap_in
 from grading.ranks import run_on_ranks
 from solutions import SamplingParams
 from solutions.distributed import layers
 from solutions.distributed.layers import Partition
 from solutions.engine.llm_engine import LLMEngine
 from solutions.model.config import ModelConfig
-from solutions.outputs import RequestOutput
-from solutions.sampling_params import RequestOutputKind
 
 REFERENCE = {
     "partition": layers.partition,
@@ -338,18 +336,6 @@ CAPSTONE_ENGINE = dict(block_size=16, num_kv_blocks=64, max_num_seqs=8, max_num_
                        long_prefill_token_threshold=256)
 
 
-def generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
-    """`LLM.generate` on `engine`: all the prompts in one batch, the finished outputs in prompt order."""
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY))
-    finished: dict[str, RequestOutput] = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output
-    return [finished[str(i)] for i in range(len(prompts))]
-
-
 @pytest.mark.exercise("capstone")
 @pytest.mark.timeout(300)  # a real model on 2 ranks: about half a minute on an idle 2-core machine
 def test_capstone_your_layers_on_two_ranks_give_hugging_faces_tokens_on_smollm2(impl):
@@ -362,7 +348,8 @@ def test_capstone_your_layers_on_two_ranks_give_hugging_faces_tokens_on_smollm2(
                            worker_multiproc_method="fork", **CAPSTONE_ENGINE)
         try:
             kv_heads = engine.model_runner.kv_cache.key_caches[0].shape[2]  # (blocks, block_size, Hkv, D)
-            outputs = generate(engine, prompts, SamplingParams(temperature=0.0, max_tokens=CAPSTONE_TOKENS, ignore_eos=True))
+            greedy = SamplingParams(temperature=0.0, max_tokens=CAPSTONE_TOKENS, ignore_eos=True)
+            outputs = generate_batch(engine, [(prompt, greedy) for prompt in prompts])
         finally:
             engine.model_runner.shutdown()
     expect_equal(kv_heads, 1, inputs=f"{inputs}; K/V heads in rank 0's KV cache (its one K/V group)")

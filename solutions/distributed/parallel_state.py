@@ -13,12 +13,20 @@ Where this lives in vLLM: `vllm/distributed/parallel_state.py` (`init_distribute
 """
 
 import datetime
+import socket
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 COLLECTIVE_TIMEOUT_SECONDS = 60.0  # a step never takes this long here; a peer that is silent this long is dead
+
+
+def free_port() -> int:
+    """A TCP port on this machine that nothing listens on now: where rank 0 meets the others (`tcp://...:port`)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def init_tensor_parallel(

@@ -27,7 +27,6 @@ is its `VLLM_WORKER_MULTIPROC_METHOD`.
 
 import multiprocessing
 import os
-import socket
 import weakref
 from typing import Any
 
@@ -35,17 +34,11 @@ import torch
 import torch.distributed as dist
 
 from solutions.distributed.layers import shard_model
-from solutions.distributed.parallel_state import broadcast_object, destroy_tensor_parallel, init_tensor_parallel
+from solutions.distributed.parallel_state import broadcast_object, destroy_tensor_parallel, free_port, init_tensor_parallel
 from solutions.core.sched.output import SchedulerOutput
 from solutions.model.llama import LlamaForCausalLM
 from solutions.model.loader import load_model
 from solutions.worker.model_runner import ModelRunner
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _threads_per_rank(tp_size: int) -> int:
@@ -89,7 +82,7 @@ class MultiprocExecutor:
                 "this process already belongs to a tensor-parallel group: one tensor-parallel engine per process; "
                 "shut the other down first (its llm_engine.model_runner.shutdown())"
             )
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         context = multiprocessing.get_context(start_method)
         dtype, device_type = full_model.model.embed_tokens.weight.dtype, full_model.model.embed_tokens.weight.device.type
         if device_type == "cuda":  # NCCL, one GPU per rank; steps run eagerly (no CUDA graphs across ranks)
