@@ -58,7 +58,9 @@ def test_in_place_decode_attention_equals_the_gather_then_sdpa(num_seqs, max_blo
 
 def test_c_decode_kernel_at_smollm2s_shape_over_long_contexts():
     """The C kernel (`solutions/attention/cpu_kernels.py`) at SmolLM2's heads (9 query, 3 K/V, D 64), block 16,
-    contexts up to 1,000 tokens on shuffled tables wider than any sequence needs; bf16 is left to the compiled loop."""
+    contexts up to 1,000 tokens on shuffled tables wider than any sequence needs; bf16 is left to the compiled loop.
+    Both ways of dealing the work: whole sequences per task (at least two sequences per thread), and one K/V head
+    per task (fewer)."""
     from solutions.attention import cpu_kernels
 
     g = torch.Generator().manual_seed(7)
@@ -67,8 +69,15 @@ def test_c_decode_kernel_at_smollm2s_shape_over_long_contexts():
     block_tables = torch.randperm(400, generator=g)[: 6 * 64].view(6, 64)
     q = torch.randn(6, 9, 64, generator=g)
     expected = batched_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, 0.125)
-    torch.testing.assert_close(c_paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, 0.125),
-                               expected, rtol=1e-5, atol=1e-5)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads, num_seqs in [(1, 6), (1, 1), (2, 3), (2, 6)]:
+            torch.set_num_threads(num_threads)  # OpenMP's thread count, which the kernel deals its tasks by
+            got = c_paged_decode_attention(q[:num_seqs], key_cache, value_cache, block_tables[:num_seqs],
+                                           seq_lens[:num_seqs], 0.125)
+            torch.testing.assert_close(got, expected[:num_seqs], rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
     assert cpu_kernels.supports(q, key_cache)
     assert not cpu_kernels.supports(q.bfloat16(), key_cache.bfloat16())
 

@@ -2,9 +2,10 @@
 
 The inductor backend's decode attention is eight lines of PyTorch that `torch.compile` fuses into one loop; the
 loop it emits pads every sequence to the longest in the batch and reads the cache at a fraction of the machine's
-bandwidth. This kernel does what chapter 6's Triton kernel does on a GPU: one task per (sequence, K/V head), the
-group's queries held while the sequence's blocks stream past once, an online softmax, nothing read past the
-sequence's own length.
+bandwidth. This kernel does what chapter 6's Triton kernel does on a GPU, the CPU's way: a task per sequence (per
+sequence and K/V head when there are fewer sequences than twice the cores), its queries held while the sequence's
+keys stream past once, an exact softmax over the row of scores a core can keep (where a GPU program keeps an
+online one), then its values, nothing read past the sequence's own length.
 
 The source is compiled on first use with the machine's C compiler (`gcc -O3 -march=native -fopenmp`, or `$CC`)
 into the course's cache folder, keyed by the source, the flags and the CPU, and loaded with `ctypes`; OpenMP
@@ -30,7 +31,7 @@ from solutions.model.loader import cache_dir
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 64, 256, 64  # the C source's fixed buffers
+MAX_HEAD_DIM = 256  # the C source's one fixed buffer
 
 
 def _cpu_identity() -> str:
@@ -64,10 +65,8 @@ def _library() -> ctypes.CDLL:
 
 
 def supports(q: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """Whether the C kernel takes these tensors: fp32 on the CPU, within its fixed buffer sizes."""
-    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    return (q.device.type == "cpu" and q.dtype == key_cache.dtype == torch.float32 and head_dim <= MAX_HEAD_DIM
-            and block_size <= MAX_BLOCK_SIZE and q.shape[1] // num_kv_heads <= MAX_GROUP)
+    """Whether the C kernel takes these tensors: fp32 on the CPU, heads of at most MAX_HEAD_DIM."""
+    return q.device.type == "cpu" and q.dtype == key_cache.dtype == torch.float32 and key_cache.shape[3] <= MAX_HEAD_DIM
 
 
 def paged_decode_attention(

@@ -15,7 +15,7 @@ from eight lines of PyTorch.
 
 The compiled loop pads every sequence to the longest in the batch, and reads the cache at a fraction of the
 machine's bandwidth; so in fp32, the CPU's dtype for this engine, decodes go to a kernel written by hand
-(`cpu_kernels.py`, chapter 6's online softmax in C: one pass per sequence and K/V head, nothing past its length),
+(`cpu_kernels.py`, chapter 6's kernel in C: each sequence's keys, then its values, read once, nothing past its length),
 and the compiled loop serves the rest (bf16).
 
 Prefills are as in the torch backend (SDPA on the new tokens, or a gather for a chunk with earlier context):

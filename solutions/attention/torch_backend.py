@@ -79,6 +79,8 @@ class TorchAttentionBackend:
         key_cache, value_cache = self.kv_cache.key_caches[layer_idx], self.kv_cache.value_caches[layer_idx]
         write_to_kv_cache(k, v, key_cache, value_cache, self.slot_mapping)
         scale = q.shape[-1] ** -0.5
+        if len(self.decodes) == q.shape[0]:  # a pure decode step (most steps): row b is sequence b's token
+            return self.decode_attention(q, key_cache, value_cache, self.decode_block_tables, self.decode_seq_lens, scale)
         out = torch.empty_like(q)
         if self.decodes:
             out[self.decode_rows] = self.decode_attention(

@@ -7,6 +7,11 @@ On the CPU an eager step pays for three things a compiler removes:
   *freezing* treats the weights as constants, so it can reorder (pre-pack) them at compile time;
 - elementwise work launched op by op (RMSNorm's five ops, RoPE's seven, SiLU × up, the residual adds), each a
   pass over memory. Inductor fuses each run of them into one C++ loop;
+- matmuls that could be one: q_proj, k_proj and v_proj read the same input, as do gate_proj and up_proj.
+  k_proj and v_proj are narrow (SmolLM2: 576 -> 192), and a narrow GEMM wastes most of a CPU's vector width;
+  with *concat linear*, inductor joins each such set into one wider GEMM on the concatenated frozen weights
+  (vLLM stores them joined from the start: `QKVParallelLinear`, `MergedColumnParallelLinear`). Measured on a
+  2-core AMD EPYC (2026-11-23), W64's prefill steps took 11.3 s instead of 12.4;
 - Python: about 25 ops per layer dispatched one by one.
 
 What the compiler must not see is the attention backend: it is a new Python object every step, holding the
@@ -115,8 +120,10 @@ class CompiledForward:
             last_rows = torch.cat([last_rows, last_rows.new_zeros(MIN_ROWS - num_rows)])
         frames_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         start = time.perf_counter()
-        # Freezing (weights as constants, pre-packed for oneDNN) is an inductor setting, read when a graph compiles.
-        with torch.no_grad(), inductor_config.patch(freezing=True), set_forward_context(backend, num_tokens):
+        # Freezing (weights as constants, pre-packed for oneDNN) and joining the linears that share an input are
+        # inductor settings, read when a graph compiles.
+        settings = {"freezing": True, "cpp.enable_concat_linear": True}
+        with torch.no_grad(), inductor_config.patch(settings), set_forward_context(backend, num_tokens):
             logits = self._compiled(input_ids, positions, last_rows)
         if torch._dynamo.utils.counters["stats"]["unique_graphs"] != frames_before:
             self.compile_seconds += time.perf_counter() - start
