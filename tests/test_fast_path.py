@@ -39,8 +39,9 @@ def prompts_with_a_shared_head(count: int, vocab_size: int, seed: int) -> list[l
 
 @pytest.mark.parametrize(
     "num_seqs, max_blocks, block_size, num_kv_heads, group",
-    [(5, 4, 4, 2, 3), (1, 1, 4, 2, 3), (1, 6, 8, 1, 4), (7, 1, 16, 3, 3), (3, 9, 2, 4, 1), (4, 40, 1, 3, 3)],
-    ids=["batch", "one-seq-one-block", "one-seq-mqa", "one-block-each", "mha", "block-size-1"],
+    [(5, 4, 4, 2, 3), (1, 1, 4, 2, 3), (1, 6, 8, 1, 4), (7, 1, 16, 3, 3), (3, 9, 2, 4, 1), (4, 40, 1, 3, 3),
+     (3, 3, 128, 3, 3)],
+    ids=["batch", "one-seq-one-block", "one-seq-mqa", "one-block-each", "mha", "block-size-1", "block-size-128"],
 )
 def test_in_place_decode_attention_equals_the_gather_then_sdpa(num_seqs, max_blocks, block_size, num_kv_heads, group):
     g = torch.Generator().manual_seed(num_seqs * 100 + max_blocks)
