@@ -198,13 +198,13 @@ def run_static_paged(model, prompts: list[list[int]], output_lens: list[int]) ->
 def step_cost_curve(llm, num_running: list[int], context_lens: list[int], num_steps: int = 8) -> list[dict]:
     """Decode step time with exactly N sequences of context about L running (prompts prefilled first, untimed).
 
-    Every request asks for more tokens than the timed steps produce, so none finishes while timed; they are
-    aborted afterwards.
+    Every request asks for more tokens than the prefill and the timed steps produce (the first prompts done decode
+    while the rest prefill), so none finishes while timed; they are aborted afterwards.
     """
     from solutions import SamplingParams
 
     engine, rows = llm.llm_engine, []
-    params = SamplingParams(temperature=0.0, max_tokens=num_steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     for context_len in context_lens:
         for n in num_running:
             ids = [f"curve-{context_len}-{n}-{i}" for i in range(n)]
