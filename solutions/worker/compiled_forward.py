@@ -1,6 +1,6 @@
 """The forward pass compiled with `torch.compile`: one graph for every step, attention left to the step's backend.
 
-On the CPU an eager step pays for three things a compiler removes:
+On the CPU an eager step pays for four things a compiler removes:
 
 - matmuls in the layout the weights were stored in. oneDNN, the CPU matmul library inductor calls, runs fp32
   GEMMs up to 1.6× faster (2× for small batches) on weights reordered once into its blocked layout. Inductor's
