@@ -55,6 +55,17 @@ static void prefetch_block(const float *first, int64_t block_size, int64_t token
         for (int64_t f = 0; f < floats; f += CACHE_LINE_FLOATS) __builtin_prefetch(first + t * token_stride + f);
 }
 
+/* Where block `i` of a sequence's table starts in `cache`, at the task's first K/V head (`head_offset` floats in). */
+static inline const float *block_at(const float *cache, const int64_t *table, int64_t i, int64_t block_stride,
+                                    int64_t head_offset) {
+    return cache + table[i] * block_stride + head_offset;
+}
+
+/* How many of block `i`'s slots hold the sequence's tokens: all but in its last block. */
+static inline int64_t tokens_in_block(int64_t len, int64_t i, int64_t block_size) {
+    return len - i * block_size < block_size ? len - i * block_size : block_size;
+}
+
 /* One task: sequence `b`, K/V heads [h_begin, h_end) and their query heads. `scores` holds (heads × len) floats,
  * `acc` (heads × head_dim): the thread's own workspace. Inlined with head_dim a constant (64, 128) where it can
  * be, so the loops over it unroll and a head's running sums stay in registers. */
@@ -66,16 +77,17 @@ static inline __attribute__((always_inline)) void attend_task(
     const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
     const int64_t num_blocks = (len + block_size - 1) / block_size;
     const int64_t first_q = h_begin * group, num_q = (h_end - h_begin) * group, task_floats = (h_end - h_begin) * head_dim;
+    const int64_t head_offset = h_begin * head_dim;
     for (int64_t j = 0; j < num_q; j++)
         for (int64_t d = 0; d < head_dim; d++) qs[j * head_dim + d] = q[(first_q + j) * head_dim + d] * scale;
 
     /* Pass 1: scores[j * len + position] = q_j · k_position (scaled). */
     for (int64_t i = 0; i < num_blocks; i++) {
         if (i + PREFETCH_DISTANCE < num_blocks)
-            prefetch_block(key_cache + table[i + PREFETCH_DISTANCE] * block_stride + h_begin * head_dim, block_size,
+            prefetch_block(block_at(key_cache, table, i + PREFETCH_DISTANCE, block_stride, head_offset), block_size,
                            token_stride, task_floats);
-        const float *keys = key_cache + table[i] * block_stride + h_begin * head_dim;
-        const int64_t n = len - i * block_size < block_size ? len - i * block_size : block_size;
+        const float *keys = block_at(key_cache, table, i, block_stride, head_offset);
+        const int64_t n = tokens_in_block(len, i, block_size);
         for (int64_t t = 0; t < n; t++)
             for (int64_t j = 0; j < num_q; j++) {
                 const float *k = keys + t * token_stride + (j / group) * head_dim, *qj = qs + j * head_dim;
@@ -86,7 +98,7 @@ static inline __attribute__((always_inline)) void attend_task(
             }
     }
     for (int64_t i = 0; i < PREFETCH_DISTANCE && i < num_blocks; i++) /* the first value blocks, during the softmax */
-        prefetch_block(value_cache + table[i] * block_stride + h_begin * head_dim, block_size, token_stride, task_floats);
+        prefetch_block(block_at(value_cache, table, i, block_stride, head_offset), block_size, token_stride, task_floats);
 
     /* Softmax numerators in place, and 1 / their sum, per query head. */
     float inv_sums[num_q];
@@ -106,10 +118,10 @@ static inline __attribute__((always_inline)) void attend_task(
     for (int64_t j = 0; j < num_q * head_dim; j++) acc[j] = 0.0f;
     for (int64_t i = 0; i < num_blocks; i++) {
         if (i + PREFETCH_DISTANCE < num_blocks)
-            prefetch_block(value_cache + table[i + PREFETCH_DISTANCE] * block_stride + h_begin * head_dim, block_size,
+            prefetch_block(block_at(value_cache, table, i + PREFETCH_DISTANCE, block_stride, head_offset), block_size,
                            token_stride, task_floats);
-        const float *values = value_cache + table[i] * block_stride + h_begin * head_dim;
-        const int64_t n = len - i * block_size < block_size ? len - i * block_size : block_size;
+        const float *values = block_at(value_cache, table, i, block_stride, head_offset);
+        const int64_t n = tokens_in_block(len, i, block_size);
         for (int64_t j = 0; j < num_q; j++) {
             const float *v = values + (j / group) * head_dim, *p = scores + j * len + i * block_size;
             float a[MAX_HEAD_DIM]; /* registers, when head_dim is a constant */
