@@ -83,6 +83,25 @@ def test_c_decode_kernel_at_smollm2s_shape_over_long_contexts():
     assert not cpu_kernels.supports(q.bfloat16(), key_cache.bfloat16())
 
 
+@pytest.mark.parametrize("head_dim", [128, 80, 8], ids=["d128-specialised", "d80-generic", "d8-not-a-vector"])
+def test_fast_decode_attention_at_other_head_sizes(head_dim):
+    """The C kernel's other head sizes: 128 (compiled as a constant, as 64 is), 80 (the generic loop) over contexts
+    that end mid-vector and mid-block; a head of 8 floats is not a whole vector, so `fast_decode_attention` leaves
+    it to the compiled loop, with the same result."""
+    from solutions.attention import cpu_kernels
+    from solutions.attention.inductor_backend import fast_decode_attention
+
+    g = torch.Generator().manual_seed(head_dim)
+    key_cache, value_cache = (torch.randn(40, 16, 2, head_dim, generator=g) for _ in range(2))
+    seq_lens = torch.tensor([1, 15, 33, 100])
+    block_tables = torch.randperm(40, generator=g)[:28].view(4, 7)
+    q = torch.randn(4, 6, head_dim, generator=g)
+    expected = batched_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, head_dim**-0.5)
+    got = fast_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, head_dim**-0.5)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert cpu_kernels.supports(q, key_cache) == (head_dim % cpu_kernels.LANES == 0)
+
+
 # --- the compiled forward pass ------------------------------------------------------------------------------
 
 

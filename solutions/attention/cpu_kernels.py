@@ -32,6 +32,7 @@ from solutions.model.loader import cache_dir
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 MAX_HEAD_DIM = 256  # the C source's one fixed buffer
+LANES = 16  # floats per vector in the C source: a head is a whole number of vectors
 
 
 def _cpu_identity() -> str:
@@ -65,8 +66,12 @@ def _library() -> ctypes.CDLL:
 
 
 def supports(q: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """Whether the C kernel takes these tensors: fp32 on the CPU, heads of at most MAX_HEAD_DIM."""
-    return q.device.type == "cpu" and q.dtype == key_cache.dtype == torch.float32 and key_cache.shape[3] <= MAX_HEAD_DIM
+    """Whether the C kernel takes these tensors: fp32 on the CPU, heads of a multiple of LANES up to MAX_HEAD_DIM."""
+    head_dim = key_cache.shape[3]
+    return (
+        q.device.type == "cpu" and q.dtype == key_cache.dtype == torch.float32
+        and head_dim % LANES == 0 and head_dim <= MAX_HEAD_DIM
+    )
 
 
 def paged_decode_attention(

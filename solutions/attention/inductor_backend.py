@@ -82,8 +82,8 @@ def fast_decode_attention(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    """In place: the hand-written C kernel where it applies (fp32 on the CPU, `cpu_kernels.py`), else the compiled
-    loop above (bf16)."""
+    """In place: the hand-written C kernel where it applies (`cpu_kernels.supports`: fp32 on the CPU, heads of a
+    multiple of 16 floats), else the compiled loop above (bf16, odd head sizes)."""
     if cpu_kernels.supports(q, key_cache):
         return cpu_kernels.paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale)
     return compiled_paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale)
