@@ -72,19 +72,20 @@ static inline vfloat exp_nonpositive(vfloat x) {
     return poly * (vfloat)((__builtin_convertvector(n, vint) + 127) << 23);
 }
 
+/* Where block `i` of a sequence's table starts in `cache`, at the task's first K/V head (`head_offset` floats in). */
+static inline const float *block_at(const float *cache, const int64_t *table, int64_t i, int64_t block_stride,
+                                    int64_t head_offset) {
+    return cache + table[i] * block_stride + head_offset;
+}
+
 /* Into the L2: the task's slice (`floats` from `head_offset`) of position p's slot, if p is in the sequence. */
 static inline void prefetch_position(const float *cache, const int64_t *table, int64_t p, int64_t len,
                                      int64_t block_size, int64_t block_stride, int64_t token_stride,
                                      int64_t head_offset, int64_t floats) {
     if (p >= len) return;
-    const float *first = cache + table[p / block_size] * block_stride + (p % block_size) * token_stride + head_offset;
+    const float *block = block_at(cache, table, p / block_size, block_stride, head_offset);
+    const float *first = block + (p % block_size) * token_stride;
     for (int64_t f = 0; f < floats; f += CACHE_LINE_FLOATS) __builtin_prefetch(first + f, 0, 1);
-}
-
-/* Where block `i` of a sequence's table starts in `cache`, at the task's first K/V head (`head_offset` floats in). */
-static inline const float *block_at(const float *cache, const int64_t *table, int64_t i, int64_t block_stride,
-                                    int64_t head_offset) {
-    return cache + table[i] * block_stride + head_offset;
 }
 
 /* How many of block `i`'s slots hold the sequence's tokens: all but in its last block. */
