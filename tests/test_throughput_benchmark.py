@@ -1,4 +1,4 @@
-"""The throughput benchmark's pure-Python parts: how two engines' greedy streams are compared."""
+"""The throughput benchmark's pure-Python parts: how two engines' greedy streams are compared, and its options."""
 
 from benchmarks.throughput import token_agreement
 
@@ -10,3 +10,15 @@ def test_token_agreement_counts_positions_prefixes_and_identical_requests():
     assert agreement["identical_requests"] == 1
     assert agreement["equal_tokens"] == 8 / 10  # 4 + 3 + 1 equal positions of 10
     assert agreement["before_first_divergence"] == 5 / 10  # 4 + 1 + 0: a request counts only up to where it parts
+
+
+def test_preload_of_a_missing_library_is_refused_by_name():
+    """`--preload` re-runs the benchmark under LD_PRELOAD; a path that is no file stops it first, naming the option."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    run = subprocess.run([sys.executable, "-m", "benchmarks.throughput", "--preload", "/no/such/libtcmalloc.so"],
+                         capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
+    assert run.returncode != 0
+    assert "--preload must name a shared library file" in run.stderr and "/no/such/libtcmalloc.so" in run.stderr
