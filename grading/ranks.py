@@ -7,15 +7,21 @@ process, so they run whatever it runs (a notebook's cells, a grader's swapped-in
 anything again; each uses 1 torch thread, because GNU OpenMP's thread pool does not survive a fork. A rank that
 raises is reported with its error, and one that waits forever on a collective its peers never join is stopped by
 the group's timeout: a wrong layer fails, it does not hang.
+
+A rank sends its result back as plain pickled bytes. Put on a `multiprocessing.Queue` as it is, a tensor would
+travel as a file descriptor that the parent fetches from the rank's process, and a rank that has already
+exited (likely on a busy machine) leaves the parent with `ConnectionResetError` or `FileNotFoundError`.
 """
 
 import multiprocessing
+import pickle
 import queue
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from solutions.distributed.parallel_state import destroy_tensor_parallel, free_port, init_tensor_parallel
 
@@ -26,7 +32,8 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, init_method: 
     torch.set_num_threads(1)
     try:
         init_tensor_parallel(rank, world_size, init_method, timeout=COLLECTIVE_TIMEOUT_SECONDS)
-        results.put((rank, True, fn(rank, *args)))
+        dist.barrier()  # every rank connected: one that finishes early cannot close a connection a peer still makes
+        results.put((rank, True, pickle.dumps(fn(rank, *args))))  # bytes: nothing to fetch from this process later
     except BaseException as error:  # reported to the parent, which raises it
         results.put((rank, False, "".join(traceback.format_exception_only(error)).strip()))
     finally:
@@ -59,4 +66,4 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[An
     if errors or silent:
         lost = [f"rank {rank}: no result (it hung or died)" for rank in silent]
         raise AssertionError(f"on {world_size} ranks:\n  " + "\n  ".join(errors + lost))
-    return [outcomes[rank][1] for rank in range(world_size)]
+    return [pickle.loads(outcomes[rank][1]) for rank in range(world_size)]
