@@ -17,7 +17,7 @@ from pathlib import Path
 
 from grading.checks import exercising, expect_close, expect_equal, expect_raises
 from grading.impl import ROOT, ExerciseError
-from grading.plugin import ResultCollector
+from grading.plugin import IN_PROCESS_OPTIONS, ResultCollector
 
 CHAPTERS = ROOT / "chapters"
 
@@ -54,7 +54,7 @@ def checker(chapter: str) -> Callable[[str | None], None]:
 
         plugin.LIVE_NAMESPACE = inspect.currentframe().f_back.f_globals  # the notebook's namespace
         collector = ResultCollector()
-        args = [str(test_file), "--impl=live", f"--rootdir={ROOT}", "-p", "no:terminal", "-p", "no:warnings"]
+        args = [str(test_file), "--impl=live", f"--rootdir={ROOT}", *IN_PROCESS_OPTIONS]
         if exercise is not None:
             args.append(f"--exercise={exercise}")
         try:

@@ -14,7 +14,7 @@ import pytest
 
 from grading import chapter_dir
 from grading.impl import load_capstone_mutants, load_mutants
-from grading.plugin import ResultCollector
+from grading.plugin import IN_PROCESS_OPTIONS, ResultCollector
 
 CAPSTONE = "capstone"  # the exercise marker of a chapter's capstone tests
 
@@ -22,7 +22,7 @@ CAPSTONE = "capstone"  # the exercise marker of a chapter's capstone tests
 def _run(test_file: str, mutant: str, exercise: str) -> tuple[int, list[str]]:
     """(tests passed, tests failed) of `exercise` with `mutant` swapped in."""
     collector = ResultCollector()
-    args = [test_file, f"--impl=mutant:{mutant}", f"--exercise={exercise}", "-p", "no:terminal", "-p", "no:warnings"]
+    args = [test_file, f"--impl=mutant:{mutant}", f"--exercise={exercise}", *IN_PROCESS_OPTIONS]
     pytest.main(args, plugins=[collector])
     failed = [test for test, outcome, _ in collector.results if outcome == "failed"]
     return sum(outcome == "passed" for _, outcome, _ in collector.results), failed
