@@ -22,3 +22,22 @@ def test_preload_of_a_missing_library_is_refused_by_name():
                          capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
     assert run.returncode != 0
     assert "--preload must name a shared library file" in run.stderr and "/no/such/libtcmalloc.so" in run.stderr
+
+
+
+def test_reachable_roofline_charges_prompt_tokens_a_forward_pass_without_the_lm_head():
+    import torch
+
+    from benchmarks.throughput import flops_per_token, reachable_roofline_fraction
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = torch.nn.Linear(10, 20, bias=False)  # 200 weights
+            self.lm_head = torch.nn.Linear(20, 50, bias=False)  # 1000 weights
+
+    model = Model()
+    assert flops_per_token(model) == 2400
+    assert reachable_roofline_fraction(model, 0, 1000) == 1.0  # no prompts: all of the roofline
+    # 10 output tokens of 2400 FLOPs are credited; 30 prompt tokens of 400 FLOPs (no LM head) are not
+    assert reachable_roofline_fraction(model, 30, 10) == 24000 / (24000 + 12000)
