@@ -94,9 +94,9 @@ def reachable_roofline_fraction(model: torch.nn.Module, prompt_tokens: int, outp
     """The most of the roofline a workload with prompts allows: its matmuls, the prompts' included, at the
     roofline's rate, and nothing else taking any time. The roofline credits output tokens only, while every prompt
     token costs a forward pass too (without the LM head: only a prompt's last position needs logits)."""
-    body = flops_per_token(model) - 2.0 * model.lm_head.weight.numel()
-    credited = output_tokens * flops_per_token(model)
-    return credited / (credited + prompt_tokens * body)
+    per_token = flops_per_token(model)
+    credited = output_tokens * per_token
+    return credited / (credited + prompt_tokens * (per_token - 2.0 * model.lm_head.weight.numel()))
 
 
 REFERENCE = "engine, torch backend, eager (chapter 5)"

@@ -1,6 +1,12 @@
 """The throughput benchmark's pure-Python parts: how two engines' greedy streams are compared, and its options."""
 
-from benchmarks.throughput import token_agreement
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from benchmarks.throughput import flops_per_token, reachable_roofline_fraction, token_agreement
 
 
 def test_token_agreement_counts_positions_prefixes_and_identical_requests():
@@ -14,22 +20,13 @@ def test_token_agreement_counts_positions_prefixes_and_identical_requests():
 
 def test_preload_of_a_missing_library_is_refused_by_name():
     """`--preload` re-runs the benchmark under LD_PRELOAD; a path that is no file stops it first, naming the option."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     run = subprocess.run([sys.executable, "-m", "benchmarks.throughput", "--preload", "/no/such/libtcmalloc.so"],
                          capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
     assert run.returncode != 0
     assert "--preload must name a shared library file" in run.stderr and "/no/such/libtcmalloc.so" in run.stderr
 
 
-
 def test_reachable_roofline_charges_prompt_tokens_a_forward_pass_without_the_lm_head():
-    import torch
-
-    from benchmarks.throughput import flops_per_token, reachable_roofline_fraction
-
     class Model(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
