@@ -41,12 +41,13 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        """`rope`: the step's (cos, sin), (T, D) each, made once per forward pass by the model's `rotary_emb`."""
         T = hidden.shape[0]
         q = self.q_proj(hidden).view(T, self.num_heads, self.head_dim)  # (T, Hq, D)
         k = self.k_proj(hidden).view(T, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         v = self.v_proj(hidden).view(T, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        cos, sin = self.rotary_emb(positions)  # (T, D) each
+        cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = backend.forward(self.layer_idx, q, k, v)  # (T, Hq, D)
         return self.o_proj(out.reshape(T, -1))  # (T, D_model)
@@ -62,8 +63,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), backend)  # (T, D_model)
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), backend)  # (T, D_model)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))  # (T, D_model)
 
 
@@ -78,8 +79,9 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         """input_ids, positions (T,) -> final hidden states (T, D_model)."""
         hidden = self.embed_tokens(input_ids)  # (T, D_model)
+        rope = self.rotary_emb(positions)  # (cos, sin), (T, D) each: the same for every layer, so made once
         for layer in self.layers:
-            hidden = layer(positions, hidden, backend)
+            hidden = layer(rope, hidden, backend)
         return self.norm(hidden)  # (T, D_model)
 
 
