@@ -35,8 +35,11 @@ The roofline: the machine's fp32 matmul rate bounds decode, since every generate
 2 × (weights it multiplies) FLOPs. `roofline_fraction` = that per-token cost × engine tokens/s ÷ matmul FLOP/s,
 over the whole workload (prefill and the tail included in the time, not in the numerator). Since the prompts'
 FLOPs are not credited, not all of it is reachable: `reachable_roofline_fraction` is what an engine would reach if
-every matmul, the prompts' included, ran at the roofline's rate and nothing else took any time. Then the decode step
-time with exactly N sequences of context L running, before (torch, eager) and after (the fast path).
+every matmul, the prompts' included, ran at the roofline's rate and nothing else took any time, and
+`serial_roofline_fraction` adds the one other cost no engine escapes, the decodes' reads of the K/V cache (each
+context once per decode token, at the machine's measured streaming rate), done after the matmuls as every layer
+does them. Then the decode step time with exactly N sequences of context L running, before (torch, eager) and after
+(the fast path).
 
 On a GPU (`--device cuda`, `--dtype`, default bfloat16), the same W64, one system after the other:
 
@@ -90,13 +93,52 @@ def flops_per_token(model: torch.nn.Module) -> float:
     return 2.0 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
-def reachable_roofline_fraction(model: torch.nn.Module, prompt_tokens: int, output_tokens: int) -> float:
-    """The most of the roofline a workload with prompts allows: its matmuls, the prompts' included, at the
-    roofline's rate, and nothing else taking any time. The roofline credits output tokens only, while every prompt
-    token costs a forward pass too (without the LM head: only a prompt's last position needs logits)."""
+def workload_matmul_flops(model: torch.nn.Module, prompt_lens: list[int], output_lens: list[int]) -> float:
+    """Every matmul FLOP the workload needs. A request of p prompt tokens and o output tokens runs p + o - 1 tokens
+    through the layers (its prompt, then each output token but the last is fed back) and o of them through the LM
+    head (the prompt's last position, then each decode)."""
     per_token = flops_per_token(model)
-    credited = output_tokens * per_token
-    return credited / (credited + prompt_tokens * (per_token - 2.0 * model.lm_head.weight.numel()))
+    head = 2.0 * model.lm_head.weight.numel()
+    return sum((p + o - 1) * (per_token - head) + o * head for p, o in zip(prompt_lens, output_lens, strict=True))
+
+
+def reachable_roofline_fraction(model: torch.nn.Module, prompt_lens: list[int], output_lens: list[int]) -> float:
+    """The most of the roofline a workload with prompts allows: its matmuls, the prompts' included, at the
+    roofline's rate, and nothing else taking any time. The roofline credits each output token a whole forward pass;
+    the prompts' passes are work it does not credit."""
+    return sum(output_lens) * flops_per_token(model) / workload_matmul_flops(model, prompt_lens, output_lens)
+
+
+def decode_kv_bytes(kv_bytes_per_token: int, prompt_lens: list[int], output_lens: list[int]) -> int:
+    """The K/V the workload's decode steps read at the least: each context once per decode token, every layer.
+
+    A request's first output token comes from its prefill; its decode j (1 <= j < o) attends to p + j tokens.
+    `kv_bytes_per_token`: K and V of one token in every layer (`KVCache.bytes_per_block(config, 1)`)."""
+    return kv_bytes_per_token * sum((o - 1) * p + (o - 1) * o // 2 for p, o in zip(prompt_lens, output_lens, strict=True))
+
+
+def stream_gbytes_per_s(num_bytes: int = 2**30, repeats: int = 5) -> float:
+    """Measured rate of reading memory, GB/s: the best of `repeats` sums over an fp32 tensor far larger than the
+    caches, as a decode step's K/V is (W64's decodes read tens of GB of it)."""
+    x = torch.ones(num_bytes // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best / 1e9
+
+
+def serial_roofline_fraction(
+    model: torch.nn.Module, prompt_lens: list[int], output_lens: list[int], kv_bytes: int, gflops: float,
+    gbytes_per_s: float,
+) -> float:
+    """The most of the roofline an engine that attends and multiplies one after the other can reach: every matmul
+    at the roofline's rate (`gflops`), then the decodes' `kv_bytes` read once at the streaming rate, and nothing
+    else taking any time. Tighter than `reachable_roofline_fraction`: attention's reads are a cost too."""
+    seconds = workload_matmul_flops(model, prompt_lens, output_lens) / (gflops * 1e9) + kv_bytes / (gbytes_per_s * 1e9)
+    return sum(output_lens) * flops_per_token(model) / (gflops * 1e9) / seconds
 
 
 REFERENCE = "engine, torch backend, eager (chapter 5)"
@@ -417,6 +459,7 @@ def main() -> None:
         return
 
     from grading.tiny_models import hf_model
+    from solutions.attention.paged import KVCache
     from solutions.model.loader import load_tokenizer, resolve_model
 
     torch.manual_seed(0)
@@ -424,6 +467,7 @@ def main() -> None:
     tokenizer = load_tokenizer(MODEL)
     prompts, output_lens = draw_workload(len(tokenizer), num_requests, low, high)
     gflops = {"64x576x1536": matmul_gflops(64, 576, 1536), "1024x1024x1024": matmul_gflops(1024, 1024, 1024)}
+    stream = stream_gbytes_per_s()
     running, contexts = ([1, 8, 32, 64], [128, 512]) if not args.quick else ([1, 8], [64])
 
     # vLLM first, while this process holds no KV cache: under TCMalloc (--preload) the memory the rows below free
@@ -448,7 +492,8 @@ def main() -> None:
 
     peak = max(gflops.values())
     roofline_tok_s = peak * 1e9 / flops_per_token(model)
-    prompt_tokens = sum(map(len, prompts))
+    prompt_lens = [len(p) for p in prompts]
+    kv_bytes = decode_kv_bytes(KVCache.bytes_per_block(model.config, 1), prompt_lens, output_lens)
     reference = engines[REFERENCE]
     fast = engines[FAST]
     systems = {name: tok_s(r) for name, r in engines.items()}
@@ -461,7 +506,7 @@ def main() -> None:
     step_total = sum(breakdown.values())
     summary = {
         "workload": {"requests": num_requests, "prompt_len": [low, high], "output_len": [low, high],
-                     "prompt_tokens": prompt_tokens, "useful_tokens": sum(output_lens)},
+                     "prompt_tokens": sum(prompt_lens), "useful_tokens": sum(output_lens)},
         "systems": systems,
         "engine_tok_s": tok_s(reference),  # chapter 5's engine: the torch backend, eager
         "fast_tok_s": tok_s(fast),
@@ -480,7 +525,10 @@ def main() -> None:
         "roofline_tok_s": roofline_tok_s,
         "roofline_fraction": tok_s(reference) / roofline_tok_s,
         "fast_roofline_fraction": tok_s(fast) / roofline_tok_s,
-        "reachable_roofline_fraction": reachable_roofline_fraction(model, prompt_tokens, sum(output_lens)),
+        "reachable_roofline_fraction": reachable_roofline_fraction(model, prompt_lens, output_lens),
+        "stream_gbytes_per_s": stream,
+        "decode_kv_bytes": kv_bytes,
+        "serial_roofline_fraction": serial_roofline_fraction(model, prompt_lens, output_lens, kv_bytes, peak, stream),
         "engine_steps": reference["steps"],
         "step_breakdown": {k: v / step_total for k, v in breakdown.items()},
         "step_cost_curve": reference["step_cost_curve"],
@@ -509,9 +557,12 @@ def main() -> None:
           f"{roofline_tok_s:.0f} tok/s at {flops_per_token(model) / 1e9:.2f} GFLOP/token; engine at "
           f"{summary['roofline_fraction']:.0%} of it over the whole workload, the fast path at "
           f"{summary['fast_roofline_fraction']:.0%}")
-    print(f"the {prompt_tokens} prompt tokens' matmuls, which it does not credit, leave at most "
+    print(f"the {sum(prompt_lens)} prompt tokens' matmuls, which it does not credit, leave at most "
           f"{summary['reachable_roofline_fraction']:.0%} of it reachable on this workload; the fast path is at "
           f"{summary['fast_roofline_fraction'] / summary['reachable_roofline_fraction']:.0%} of that")
+    print(f"add the decodes' {kv_bytes / 1e9:.1f} GB of K/V read once at the measured {stream:.0f} GB/s (attention "
+          f"after the matmuls, not beside them): at most {summary['serial_roofline_fraction']:.0%}; the fast path is at "
+          f"{summary['fast_roofline_fraction'] / summary['serial_roofline_fraction']:.0%} of that")
     print("engine step breakdown: " + ", ".join(f"{k} {v:.1%}" for k, v in summary["step_breakdown"].items()))
     print(f"\ndecode step cost: running × context → ms per step, {REFERENCE} | {FAST}")
     for before, after in zip(summary["step_cost_curve"], summary["fast_step_cost_curve"], strict=True):

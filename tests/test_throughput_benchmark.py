@@ -6,7 +6,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.throughput import flops_per_token, reachable_roofline_fraction, token_agreement
+from benchmarks.throughput import (
+    decode_kv_bytes,
+    flops_per_token,
+    reachable_roofline_fraction,
+    serial_roofline_fraction,
+    stream_gbytes_per_s,
+    token_agreement,
+)
 
 
 def test_token_agreement_counts_positions_prefixes_and_identical_requests():
@@ -26,15 +33,45 @@ def test_preload_of_a_missing_library_is_refused_by_name():
     assert "--preload must name a shared library file" in run.stderr and "/no/such/libtcmalloc.so" in run.stderr
 
 
-def test_reachable_roofline_charges_prompt_tokens_a_forward_pass_without_the_lm_head():
-    class Model(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.body = torch.nn.Linear(10, 20, bias=False)  # 200 weights
-            self.lm_head = torch.nn.Linear(20, 50, bias=False)  # 1000 weights
+class TwoLayerModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(10, 20, bias=False)  # 200 weights: 400 FLOPs a token
+        self.lm_head = torch.nn.Linear(20, 50, bias=False)  # 1000 weights: 2000 FLOPs a token
 
-    model = Model()
+
+def test_reachable_roofline_charges_prompt_tokens_a_forward_pass_without_the_lm_head():
+    model = TwoLayerModel()
     assert flops_per_token(model) == 2400
-    assert reachable_roofline_fraction(model, 0, 1000) == 1.0  # no prompts: all of the roofline
-    # 10 output tokens of 2400 FLOPs are credited; 30 prompt tokens of 400 FLOPs (no LM head) are not
-    assert reachable_roofline_fraction(model, 30, 10) == 24000 / (24000 + 12000)
+    # One request, no prompt to speak of (1 token) and 1000 outputs: 1000 body passes, 1000 heads, all credited
+    assert reachable_roofline_fraction(model, [1], [1000]) == 1.0
+    # 10 output tokens of 2400 FLOPs are credited. The work: 30 prompt tokens and 9 fed-back outputs through the
+    # body (39 × 400) and 10 LM heads (10 × 2000); the last prompt token's pass makes the first output token.
+    assert reachable_roofline_fraction(model, [30], [10]) == 24000 / (39 * 400 + 10 * 2000)
+    # Per request: two requests are the sum of their parts
+    assert reachable_roofline_fraction(model, [30, 5], [10, 3]) == (13 * 2400) / ((39 + 7) * 400 + 13 * 2000)
+
+
+def test_decode_kv_bytes_reads_each_context_once_per_decode_token():
+    # p = 4, o = 3: decodes 1 and 2 attend to 5 and 6 tokens; the first output token came from the prefill
+    assert decode_kv_bytes(100, [4], [3]) == (5 + 6) * 100
+    assert decode_kv_bytes(100, [4, 2], [3, 1]) == (5 + 6) * 100  # o = 1: no decode step at all
+    assert decode_kv_bytes(100, [2], [4]) == (3 + 4 + 5) * 100
+
+
+def test_serial_roofline_adds_the_kv_reads_to_the_matmuls():
+    model = TwoLayerModel()
+    prompt_lens, output_lens = [30], [10]
+    matmul_seconds = (39 * 400 + 10 * 2000) / 1e9  # at 1 GFLOP/s
+    credited_seconds = 24000 / 1e9
+    no_reads = serial_roofline_fraction(model, prompt_lens, output_lens, 0, 1.0, 1.0)
+    assert abs(no_reads - reachable_roofline_fraction(model, prompt_lens, output_lens)) < 1e-12
+    # 35,600 bytes at 1 GB/s take as long as the matmuls: half of what is reachable
+    bound = serial_roofline_fraction(model, prompt_lens, output_lens, 35_600, 1.0, 1.0)
+    assert abs(bound - credited_seconds / (matmul_seconds + 35_600 / 1e9)) < 1e-12
+    assert abs(bound - reachable_roofline_fraction(model, prompt_lens, output_lens) / 2) < 1e-12
+
+
+def test_stream_rate_is_a_plausible_memory_bandwidth():
+    rate = stream_gbytes_per_s(num_bytes=2**26, repeats=2)
+    assert 0.5 < rate < 10_000, rate
