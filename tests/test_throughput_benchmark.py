@@ -9,6 +9,7 @@ import torch
 from benchmarks.throughput import (
     decode_kv_bytes,
     flops_per_token,
+    matmul_gflops,
     reachable_roofline_fraction,
     serial_roofline_fraction,
     stream_gbytes_per_s,
@@ -75,3 +76,8 @@ def test_serial_roofline_adds_the_kv_reads_to_the_matmuls():
 def test_stream_rate_is_a_plausible_memory_bandwidth():
     rate = stream_gbytes_per_s(num_bytes=2**26, repeats=2)
     assert 0.5 < rate < 10_000, rate
+
+
+def test_matmul_probe_runs_eagerly_and_pre_packed():
+    for packed in (False, True):
+        assert matmul_gflops(8, 32, 48, packed=packed, windows=2, seconds=0.01) > 0
