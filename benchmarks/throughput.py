@@ -34,14 +34,14 @@ library cannot replace malloc once the process runs). The table says which alloc
 The roofline: the machine's fp32 matmul rate bounds decode, since every generated token costs at least
 2 × (weights it multiplies) FLOPs. The rate is the best of three probes (a decode step's shape eagerly and
 pre-packed as the fast path runs it, and a 1024³ GEMM), each the best of five windows, at the start of the run and
-at its end: one probe in one window swung from 196 to 130 GFLOP/s between two sittings on the same machine type. `roofline_fraction` = that per-token cost × engine tokens/s ÷ matmul FLOP/s,
-over the whole workload (prefill and the tail included in the time, not in the numerator). Since the prompts'
-FLOPs are not credited, not all of it is reachable: `reachable_roofline_fraction` is what an engine would reach if
-every matmul, the prompts' included, ran at the roofline's rate and nothing else took any time, and
-`serial_roofline_fraction` adds the one other cost no engine escapes, the decodes' reads of the K/V cache (each
-context once per decode token, at the machine's measured streaming rate), done after the matmuls as every layer
-does them. Then the decode step time with exactly N sequences of context L running, before (torch, eager) and after
-(the fast path).
+at its end: one probe in one window swung from 196 to 130 GFLOP/s between two sittings on the same machine type.
+`roofline_fraction` = that per-token cost × engine tokens/s ÷ matmul FLOP/s, over the whole workload (prefill and
+the tail included in the time, not in the numerator). Since the prompts' FLOPs are not credited, not all of it is
+reachable: `reachable_roofline_fraction` is what an engine would reach if every matmul, the prompts' included, ran
+at the roofline's rate and nothing else took any time, and `serial_roofline_fraction` adds the one other cost no
+engine escapes, the decodes' reads of the K/V cache (each context once per decode token, at the machine's measured
+streaming rate), done after the matmuls as every layer does them. Then the decode step time with exactly N
+sequences of context L running, before (torch, eager) and after (the fast path).
 
 On a GPU (`--device cuda`, `--dtype`, default bfloat16), the same W64, one system after the other:
 
@@ -140,7 +140,8 @@ def decode_kv_bytes(kv_bytes_per_token: int, prompt_lens: list[int], output_lens
 
     A request's first output token comes from its prefill; its decode j (1 <= j < o) attends to p + j tokens.
     `kv_bytes_per_token`: K and V of one token in every layer (`KVCache.bytes_per_block(config, 1)`)."""
-    return kv_bytes_per_token * sum((o - 1) * p + (o - 1) * o // 2 for p, o in zip(prompt_lens, output_lens, strict=True))
+    decodes = zip(prompt_lens, output_lens, strict=True)
+    return kv_bytes_per_token * sum((o - 1) * p + (o - 1) * o // 2 for p, o in decodes)
 
 
 def stream_gbytes_per_s(num_bytes: int = 2**30, repeats: int = 5) -> float:
@@ -512,7 +513,8 @@ def main() -> None:
     hf_static = run_hf_generate(hf, prompts, output_lens, pad_id)
     hf_cb = run_hf_generate_batch(hf, prompts, output_lens)
     static_paged = run_static_paged(model, prompts, output_lens)
-    gflops = {shape: max(rate, again) for (shape, rate), again in zip(gflops.items(), matmul_probes().values(), strict=True)}
+    again = matmul_probes()
+    gflops = {shape: max(rate, again[shape]) for shape, rate in gflops.items()}
 
     def tok_s(result: dict) -> float:
         return result["useful_tokens"] / result["seconds"]
@@ -587,9 +589,10 @@ def main() -> None:
     print(f"the {sum(prompt_lens)} prompt tokens' matmuls, which it does not credit, leave at most "
           f"{summary['reachable_roofline_fraction']:.0%} of it reachable on this workload; the fast path is at "
           f"{summary['fast_roofline_fraction'] / summary['reachable_roofline_fraction']:.0%} of that")
+    serial = summary["serial_roofline_fraction"]
     print(f"add the decodes' {kv_bytes / 1e9:.1f} GB of K/V read once at the measured {stream:.0f} GB/s (attention "
-          f"after the matmuls, not beside them): at most {summary['serial_roofline_fraction']:.0%}; the fast path is at "
-          f"{summary['fast_roofline_fraction'] / summary['serial_roofline_fraction']:.0%} of that")
+          f"after the matmuls, not beside them): at most {serial:.0%}; the fast path is at "
+          f"{summary['fast_roofline_fraction'] / serial:.0%} of that")
     print("engine step breakdown: " + ", ".join(f"{k} {v:.1%}" for k, v in summary["step_breakdown"].items()))
     print(f"\ndecode step cost: running × context → ms per step, {REFERENCE} | {FAST}")
     for before, after in zip(summary["step_cost_curve"], summary["fast_step_cost_curve"], strict=True):

@@ -41,7 +41,9 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, backend: AttentionBackend
+    ) -> torch.Tensor:
         """`rope`: the step's (cos, sin), (T, D) each, made once per forward pass by the model's `rotary_emb`."""
         T = hidden.shape[0]
         q = self.q_proj(hidden).view(T, self.num_heads, self.head_dim)  # (T, Hq, D)
@@ -63,7 +65,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, backend: AttentionBackend
+    ) -> torch.Tensor:
         hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), backend)  # (T, D_model)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))  # (T, D_model)
 
