@@ -17,8 +17,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from solutions.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from solutions.llm import LLM
+from solutions.entrypoints.llm import LLM
 from solutions.outputs import CompletionOutput, FinishReason, RequestOutput
 from solutions.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "RequestOutput", "CompletionOutput", "FinishReason"]
+__all__ = [
+    "LLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
+    "RequestOutput", "CompletionOutput", "FinishReason",
+]

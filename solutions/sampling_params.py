@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from solutions.exceptions import ParameterError
+
 
 class RequestOutputKind(Enum):
     """What `LLMEngine.step()` reports for a request (vLLM's name)."""
@@ -18,7 +20,7 @@ class RequestOutputKind(Enum):
 
 def _require(ok: bool, field_name: str, allowed: str, value: object) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{field_name} must be {allowed}, got {value!r}")
+        raise ParameterError(f"SamplingParams.{field_name} must be {allowed}, got {value!r}", field_name)
 
 
 def _is_int(value: object) -> bool:
@@ -46,22 +48,22 @@ class StructuredOutputsParams:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object is True else []
         if len(given) != 1:
-            raise ValueError(
+            raise ParameterError(
                 "StructuredOutputsParams needs exactly one of json, json_object, regex, choice, grammar; "
-                f"got {given or 'none'}"
+                f"got {given or 'none'}", "structured_outputs",
             )
         if self.json is not None and not isinstance(self.json, str | dict):
-            raise ValueError(f"StructuredOutputsParams.json must be a JSON schema (dict or str), got {type(self.json).__name__}")
+            raise ParameterError(f"StructuredOutputsParams.json must be a JSON schema (dict or str), got {type(self.json).__name__}", "structured_outputs")
         if not isinstance(self.json_object, bool):
-            raise ValueError(f"StructuredOutputsParams.json_object must be True or False, got {self.json_object!r}")
+            raise ParameterError(f"StructuredOutputsParams.json_object must be True or False, got {self.json_object!r}", "structured_outputs")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"StructuredOutputsParams.{name} must be a non-empty string, got {value!r}")
+                raise ParameterError(f"StructuredOutputsParams.{name} must be a non-empty string, got {value!r}", "structured_outputs")
         if self.choice is not None and (
             not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) and c for c in self.choice)
         ):
-            raise ValueError(f"StructuredOutputsParams.choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+            raise ParameterError(f"StructuredOutputsParams.choice must be a non-empty list of non-empty strings, got {self.choice!r}", "structured_outputs")
 
     @property
     def kind(self) -> str:

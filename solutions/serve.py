@@ -3,7 +3,7 @@
     curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"prompt": "Once upon a time", "max_tokens": 32, "stream": true}'
 
-Every keyword of `LLM` is a flag (`--max-num-seqs 32`, `--num-kv-blocks 256`, `--no-enable-prefix-caching`);
+Every engine option (`EngineArgs`) is a flag (`--max-num-seqs 32`, `--num-kv-blocks 256`, `--no-enable-prefix-caching`);
 `--engine-core thread` runs the engine core in a thread instead of its own process. Ctrl-C or SIGTERM stops the
 server cleanly: open requests finish (for up to 5 s), then the engine core process exits.
 
@@ -18,14 +18,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def main(argv: list[str] | None = None) -> None:
+    from solutions.engine.arg_utils import AsyncEngineArgs
     from solutions.entrypoints.openai.api_server import run_server
-    from solutions.entrypoints.openai.cli_args import engine_kwargs, make_arg_parser
+    from solutions.entrypoints.openai.cli_args import make_arg_parser
 
     args = make_arg_parser().parse_args(argv)
-    run_server(
-        args.model, host=args.host, port=args.port, engine_core=args.engine_core, log_level=args.log_level,
-        **engine_kwargs(args),
-    )
+    run_server(AsyncEngineArgs.from_cli_args(args), host=args.host, port=args.port, log_level=args.log_level)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ where a contiguous allocator would also need one hole that large. The comparison
 slightly: a real contiguous allocator admits at most as many requests as this one.
 
 A forked sample (`n > 1`, beam search) would share its parent's reserved blocks past the prompt and write into
-them; Orca reserves per sequence, so n > 1 is refused (ValueError at `add_request`), and a sequence that never
+them; Orca reserves per sequence, so n > 1 is refused (ValueError at `add_request`, by the processor), and a sequence that never
 got a reservation (beam search's) stops at its first allocation with a RuntimeError.
 vLLM has no such mode; its paper's Orca numbers come from a separate implementation (§6.1).
 """
@@ -52,13 +52,13 @@ class ReservingKVCacheManager(KVCacheManager):
     """A `KVCacheManager` that allocates a sequence's whole reservation the first time it is given blocks.
 
     Invariants: a sequence holding blocks holds at least `cdiv(reserved_length, block_size)` of them, which
-    cover every token it can ever have, so only its first `allocate_slots` ever takes blocks; `reserve` is
-    called once per sequence before it is scheduled, and `free` forgets the reservation (a reserving engine
-    never preempts, so a freed sequence is a finished one).
+    cover every token it can ever have, so only its first `allocate_slots` ever takes blocks, sized from the
+    sequence's `max_tokens`; `free` forgets the reservation (a reserving engine never preempts, so a freed sequence
+    is a finished one).
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, *, policy: ReservationPolicy,
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, *, kv_reservation: str,
         max_model_len: int,
     ) -> None:
         super().__init__(num_blocks, block_size, enable_prefix_caching)
@@ -67,26 +67,22 @@ class ReservingKVCacheManager(KVCacheManager):
                 f"num_kv_blocks={num_blocks} cannot hold one reservation of up to max_model_len={max_model_len} "
                 f"tokens ({cdiv(max_model_len, block_size)} blocks of {block_size}); raise num_kv_blocks"
             )
-        self.policy = policy
+        self.policy = reservation_policy(kv_reservation)
         self.max_model_len = max_model_len
         self._reserved_tokens: dict[int, int] = {}  # seq_id -> tokens reserved for it at admission
 
-    def reserve(self, seq: Sequence, max_tokens: int, n: int = 1) -> None:
-        """Record how many tokens `seq` reserves when admitted: the policy's guess for a request that generates
-        at most `max_tokens` tokens. Takes no block yet. ValueError for n > 1 (see the module docstring)."""
-        if n != 1:
-            raise ValueError(f"n must be 1 with kv_reservation (each sample would need its own reservation), got {n}")
-        output_len = min(max_tokens, self.max_model_len - seq.num_prompt_tokens)  # what the context leaves room for
-        reserved = reserved_length(seq.num_prompt_tokens, output_len, self.max_model_len, self.policy)
-        self._reserved_tokens[seq.seq_id] = reserved
-
     def reserved_tokens(self, seq: Sequence) -> int:
-        """Tokens reserved for `seq` (RuntimeError if it was never given a reservation)."""
+        """Tokens `seq` reserves when admitted: the policy's guess for a request that generates at most its
+        `max_tokens` (RuntimeError for a sequence without sampling parameters, such as beam search's)."""
         if seq.seq_id not in self._reserved_tokens:
-            raise RuntimeError(
-                f"sequence {seq.seq_id} has no reservation: call reserve() before scheduling it (under kv_reservation "
-                "the engine serves add_request only; beam search forks and is not supported)"
-            )
+            if seq.sampling_params is None:
+                raise RuntimeError(
+                    f"sequence {seq.seq_id} has no sampling parameters to size its reservation from (under "
+                    "kv_reservation the engine serves add_request only; beam search forks and is not supported)"
+                )
+            output_len = min(seq.sampling_params.max_tokens, self.max_model_len - seq.num_prompt_tokens)
+            reserved = reserved_length(seq.num_prompt_tokens, output_len, self.max_model_len, self.policy)
+            self._reserved_tokens[seq.seq_id] = reserved
         return self._reserved_tokens[seq.seq_id]
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

@@ -4,12 +4,20 @@ A `Sequence` is the prompt followed by every token generated so far, its lifecyc
 tokens already have K/V in the cache, and the block table saying where those K/V live. A request with
 `n > 1` samples (or a beam search) owns several sequences that share their prompt's blocks.
 
-Where this lives in vLLM: `vllm/v1/request.py` (`Request`, `RequestStatus`). vLLM schedules requests and keeps
-the block ids in the KV cache manager (`req_to_blocks`); we schedule sequences and keep the block table on the
-sequence, so a learner can print one object and see everything about it.
+Where this lives in vLLM: `vllm/v1/request.py` (`Request`, `RequestStatus`): our `Sequence` is vLLM's `Request`,
+one sample of the caller's request, carrying what the engine core needs to run it — its sampling parameters, its
+random generator and its grammar — so no side table is needed to find them. vLLM keeps the block ids in the KV
+cache manager (`req_to_blocks`); we keep the block table on the sequence, so a learner can print one object and
+see everything about it.
 """
 
 from enum import Enum, auto
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from solutions.sampling_params import SamplingParams
 
 
 class SequenceStatus(Enum):
@@ -43,13 +51,18 @@ class Sequence:
 
     `priority` (lower runs first) and `arrival` (the order requests came in; forks inherit their parent's) are
     what the scheduler's policies sort by. `fork_seq_ids` are the ids of the samples an `n > 1` request forks
-    from this sequence once its prompt is computed (the scheduler forks them; empty afterwards). A plain class with `__slots__` rather than a dataclass: the
-    constructor takes the prompt, not the fields.
+    from this sequence once its prompt is computed (the scheduler forks them; empty afterwards).
+
+    In the engine, a sequence is sample `sample_index` of request `request_id`: it samples with
+    `sampling_params`, draws from its own `generator` (seeded by `seed`, so a seeded sample is reproducible in any
+    batch) and, with structured outputs, is constrained by its own `grammar`. A plain class with `__slots__` rather
+    than a dataclass: the constructor takes the prompt, not the fields.
     """
 
     __slots__ = (
         "seq_id", "token_ids", "num_prompt_tokens", "status", "block_table", "num_computed_tokens", "block_hashes",
-        "priority", "arrival", "fork_seq_ids",
+        "priority", "arrival", "fork_seq_ids", "request_id", "sample_index", "sampling_params", "seed", "generator",
+        "grammar",
     )
 
     def __init__(self, seq_id: int, prompt_token_ids: list[int], *, priority: int = 0, arrival: int | None = None) -> None:
@@ -65,6 +78,12 @@ class Sequence:
         self.priority: int = priority
         self.arrival: int = seq_id if arrival is None else arrival
         self.fork_seq_ids: list[int] = []
+        self.request_id: str | None = None
+        self.sample_index: int = 0
+        self.sampling_params: SamplingParams | None = None
+        self.seed: int = 0
+        self.generator: torch.Generator | None = None
+        self.grammar: Any = None  # a StructuredOutputGrammar
 
     @property
     def num_tokens(self) -> int:
@@ -104,7 +123,18 @@ class Sequence:
         child.status = self.status
         child.num_computed_tokens = self.num_computed_tokens
         child.block_hashes = list(self.block_hashes)
+        child.request_id, child.sampling_params = self.request_id, self.sampling_params
         return child
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a tensor-parallel worker is sent: everything but the generator and the grammar (only the driver
+        samples, and a grammar's matcher does not pickle)."""
+        return {name: getattr(self, name) for name in self.__slots__ if name not in ("generator", "grammar")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+        self.generator, self.grammar = None, None
 
     def __repr__(self) -> str:
         return (

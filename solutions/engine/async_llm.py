@@ -1,18 +1,20 @@
 """`AsyncLLM`: the engine for a server — many callers at once, each streaming its own request's outputs.
 
-    llm = AsyncLLM("smollm2-135m")                      # the engine core starts in its own process
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs("smollm2-135m"))   # the core starts in its own process
     async for output in llm.generate("Once upon a time", SamplingParams(max_tokens=32), "req-1"):
         print(output.outputs[0].text, end="")          # DELTA: only what is new since the last output
     llm.shutdown()
 
 The pieces, and the path of one request:
-1. `generate` validates and tokenises in this process with a `Processor` (the engine's own checks and messages),
+1. `generate` validates and tokenises in this process with a `Processor` (the one place a request is checked),
    so a bad request raises ValueError at the generator's first `__anext__` and never reaches the core;
-2. it registers a `RequestOutputCollector` for the request, sends the request to the core
-   (`EngineCoreClient`: a process or a thread) and waits on the collector;
-3. one output thread reads the core's messages, one per step, feeds the stat loggers, and hands each output to
-   its request's collector on that request's event loop (`loop.call_soon_threadsafe`): the thread never touches
-   an event loop's objects directly, and no event loop ever waits on the core;
+2. it registers the request with the `OutputProcessor` and a `RequestOutputCollector`, sends the request to the
+   core (`EngineCoreClient`: a process or a thread) and waits on the collector;
+3. one output thread reads the core's messages, one per step (token ids only), turns them into `RequestOutput`s
+   with the output processor (detokenising, stop strings: a request a stop string ends is aborted in the core),
+   feeds the stat loggers, and hands each output to its request's collector on that request's event loop
+   (`loop.call_soon_threadsafe`): the thread never touches an event loop's objects directly, and no event loop
+   ever waits on the core;
 4. the caller's `async for` wakes, gets the output, and ends after the one with `finished=True`.
 
 Backpressure: a collector holds one pending output. If the engine steps faster than a caller reads, the new
@@ -28,7 +30,6 @@ Where this lives in vLLM: `vllm/v1/engine/async_llm.py` (`AsyncLLM.generate`, `o
 """
 
 import asyncio
-import inspect
 import threading
 import time
 import traceback
@@ -36,17 +37,19 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from solutions.engine.core import EngineCoreOutputs, EngineCoreRequest, EngineDead
-from solutions.engine.core_client import ENGINE_CORE_KINDS, POLL_SECONDS, EngineCoreClient
+from solutions.config import VllmConfig
+from solutions.core.sched.output import EngineCoreOutputs
+from solutions.engine.arg_utils import AsyncEngineArgs
+from solutions.engine.core import EngineDead
+from solutions.engine.core_client import POLL_SECONDS, EngineCoreClient
+from solutions.engine.output_processor import OutputProcessor
 from solutions.engine.processor import Processor
-from solutions.llm import LLM
+from solutions.executor.abstract import Executor
 from solutions.metrics.prometheus import PrometheusStatLogger
 from solutions.metrics.stats import IterationStats, RequestStateStats, SchedulerStats
-from solutions.model.loader import DEFAULT_MODEL, load_tokenizer
+from solutions.model.loader import load_tokenizer
 from solutions.outputs import CompletionOutput, FinishReason, RequestOutput
 from solutions.sampling_params import SamplingParams
-
-LLM_KEYWORDS = tuple(name for name in inspect.signature(LLM).parameters if name != "model")
 
 
 class EngineDeadError(RuntimeError):
@@ -113,7 +116,7 @@ class _LiveRequest:
     """What the front end keeps for a request until its caller has read its last output."""
 
     request_id: str
-    prompt: str | None  # the text prompt, put back into every output (the core only saw token ids)
+    prompt: str | None  # the text prompt, for an aborted request's last output
     prompt_token_ids: list[int]
     num_samples: int  # params.n
     collector: RequestOutputCollector
@@ -121,36 +124,31 @@ class _LiveRequest:
 
 
 class AsyncLLM:
-    """An engine for concurrent streaming callers; `llm_kwargs` are `LLM`'s keywords, for the core's engine.
+    """An engine for concurrent streaming callers: a processor and an output processor in this process, the engine
+    core behind a client. `engine_core="process"` runs the core in a child process, `"thread"` in a thread of this
+    one (see `solutions/engine/core_client.py` for what each costs). Use as a (async) context manager, or call
+    `shutdown`."""
 
-    `engine_core="process"` runs the engine core in a child process, `"thread"` in a thread of this one (see
-    `solutions/engine/core_client.py` for what each costs). Use as a (async) context manager, or call `shutdown`.
-    """
-
-    def __init__(self, model: str = DEFAULT_MODEL, *, engine_core: str = "process", **llm_kwargs: Any) -> None:
-        if engine_core not in ENGINE_CORE_KINDS:
-            raise ValueError(f"engine_core must be one of {ENGINE_CORE_KINDS}, got {engine_core!r}")
-        unknown = sorted(set(llm_kwargs) - set(LLM_KEYWORDS))
-        if unknown:
-            raise ValueError(f"unknown engine options {unknown}; the engine takes {LLM_KEYWORDS}")
-        self.model_name = model
-        self.tokenizer = load_tokenizer(model)
-        self.engine_core = EngineCoreClient.make_client(engine_core, dict(llm_kwargs, model=model))
-        ready = self.engine_core.ready
-        self.max_model_len = ready.max_model_len
-        self.scheduling_policy = ready.scheduling_policy
-        self.processor = Processor(
-            self.tokenizer, vocab_size=ready.vocab_size, max_model_len=ready.max_model_len,
-            num_blocks=ready.num_kv_blocks, block_size=ready.block_size, seed=ready.seed,
-            max_num_seqs=ready.max_num_seqs, eos_token_id=ready.eos_token_id,
-        )
-        self.stat_logger = PrometheusStatLogger(model)
+    def __init__(self, vllm_config: VllmConfig, executor_class: type[Executor], engine_core: str = "process") -> None:
+        self.vllm_config = vllm_config
+        self.model_name = vllm_config.model_config.model
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.tokenizer = load_tokenizer(self.model_name)
+        self.processor = Processor(vllm_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = EngineCoreClient.make_client(engine_core, vllm_config, executor_class)
+        self.stat_logger = PrometheusStatLogger(self.model_name)
         self.stat_loggers: list[StatLogger] = [self.stat_logger]  # each gets every message's stats
         self._requests: dict[str, _LiveRequest] = {}  # written by callers' loops, read by the output thread
         self._dead_reason: str | None = None
         self._stopping = threading.Event()
         self._output_thread = threading.Thread(target=self._run_output_handler, name="AsyncLLM-output", daemon=True)
         self._output_thread.start()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: AsyncEngineArgs) -> "AsyncLLM":
+        vllm_config = engine_args.create_engine_config()
+        return cls(vllm_config, Executor.get_class(vllm_config), engine_args.engine_core)
 
     # --- the callers' side (any event loop) ----------------------------------------------------------------------
 
@@ -164,20 +162,17 @@ class AsyncLLM:
         """
         arrival_time = time.monotonic()
         self.raise_if_dead()
-        if request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
-        if priority and self.scheduling_policy != "priority":
-            raise ValueError("priority needs scheduling_policy='priority'; under 'fcfs' leave it 0")
-        request = self.processor.process_inputs(request_id, prompt, params, priority, arrival=0)
+        prompt_text, request = self.processor.process_inputs(request_id, prompt, params, priority)
+        self.output_processor.add_request(prompt_text, request)  # ValueError if the id is still in use
         live = _LiveRequest(
-            request_id, request.prompt, request.prompt_token_ids, params.n,
+            request_id, prompt_text, request.prompt_token_ids, params.n,
             RequestOutputCollector(asyncio.get_running_loop()), RequestStateStats(arrival_time),
         )
         self._requests[request_id] = live
         finished = False
         try:
             self.raise_if_dead()  # again, now registered: a death from here on reaches this collector
-            self.engine_core.add_request(EngineCoreRequest(request_id, request.prompt_token_ids, params, priority))
+            self.engine_core.add_request(request)
             while not finished:
                 output = await live.collector.get()
                 finished = output.finished
@@ -185,8 +180,10 @@ class AsyncLLM:
         finally:
             if self._requests.get(request_id) is live:
                 del self._requests[request_id]
-            if not finished and self._dead_reason is None:
-                self.engine_core.abort_requests([request_id])
+            if not finished:
+                self.output_processor.abort_requests([request_id])
+                if self._dead_reason is None:
+                    self.engine_core.abort_requests([request_id])
 
     async def abort(self, request_id: str) -> None:
         """Abort a request from outside its `generate` (which then ends with a `finish_reason="abort"` output);
@@ -194,6 +191,7 @@ class AsyncLLM:
         live = self._requests.pop(request_id, None)
         if live is None:
             return
+        self.output_processor.abort_requests([request_id])
         self.engine_core.abort_requests([request_id])
         samples = [CompletionOutput(i, "", [], FinishReason.ABORT) for i in range(live.num_samples)]
         aborted = RequestOutput(request_id, live.prompt, live.prompt_token_ids, samples, finished=True)
@@ -228,16 +226,19 @@ class AsyncLLM:
             self._fail_all(f"the front end's output thread failed:\n{traceback.format_exc()}")
 
     def _process_outputs(self, message: EngineCoreOutputs) -> None:
-        """Record the message's stats, then hand each output (or refusal) to its request's collector."""
+        """Turn the message's outputs into `RequestOutput`s, record its stats, then hand each output (or refusal)
+        to its request's collector."""
         now = time.monotonic()
         iteration = IterationStats(transfer_seconds=now - message.timestamp)
+        processed = self.output_processor.process_outputs(message.outputs)
+        if processed.reqs_to_abort:  # a stop string ended them: free their blocks in the core
+            self.engine_core.abort_requests(processed.reqs_to_abort)
         delivered = []
-        for output in message.outputs:
+        for output in processed.request_outputs:
             live = self._requests.get(output.request_id)
             if live is None:
                 continue  # its caller left; the abort is on its way to the core
             iteration.update_from_output(output, live.stats, now)
-            output.prompt = live.prompt
             delivered.append((live, live.collector.put, output))
         for request_id, reason in message.errors.items():
             if (live := self._requests.get(request_id)) is not None:
@@ -253,6 +254,7 @@ class AsyncLLM:
         except RuntimeError:  # the caller's event loop is closed: nobody will read this request again
             if self._requests.get(live.request_id) is live:
                 del self._requests[live.request_id]
+                self.output_processor.abort_requests([live.request_id])
                 self.engine_core.abort_requests([live.request_id])
 
     def _fail_all(self, reason: str) -> None:

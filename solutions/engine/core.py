@@ -1,92 +1,133 @@
-"""The engine core: `LLMEngine.step()` in a loop of its own, fed by an input queue, reporting on an output queue.
+"""The engine core: the scheduler, the model executor and the structured output manager, and the step that joins them.
 
-A server has two jobs that must not wait on each other. Its event loop accepts connections, parses requests and
-streams tokens back; its engine runs forward passes, each tens of milliseconds on a CPU. If the event loop ran
-`step()` itself, every client would stall for the whole forward pass — new requests could not even be accepted.
-So the engine steps in a loop of its own, and the two sides only exchange messages:
+    core = EngineCore(vllm_config, Executor.get_class(vllm_config))
+    core.add_request(EngineCoreRequest("r1", [1, 2, 3], SamplingParams(max_tokens=8)))
+    while core.has_unfinished_requests():
+        outputs = core.step()            # EngineCoreOutputs: per sample, its new token ids; the step's stats
 
-    front end (AsyncLLM)  --ADD / ABORT / SHUTDOWN-->  input queue   -->  EngineCore.run_busy_loop
-    front end (AsyncLLM)  <--one message per step---   output queue  <--  (outputs + SchedulerStats)
+A step (`engine_step`, below) is schedule → execute → sample → update, each owned by one object:
+    schedule     Scheduler.schedule()                which sequences compute how many tokens (and what is
+                                                      preempted); advances their computed tokens, forks n > 1
+    (meanwhile)  Scheduler.get_grammar_bitmask()     the constrained samples' token masks, filled on a thread
+    execute      model_executor.execute_model()      one forward pass over the flattened batch (every rank)
+    sample       model_executor.sample_tokens()      one token per sampling sequence, within its mask
+    update       Scheduler.update_from_output()      append, check stops, free the finished; the step's outputs
 
-The loop (`run_busy_loop`, a function of this module that `EngineCore.run_busy_loop` guards), each iteration:
+The core speaks token ids only: the front end (`LLMEngine`, `AsyncLLM`) tokenises before and detokenises after.
+
+A server's core runs in a loop of its own (`EngineCoreProc`, in its own process or a thread), so that the event
+loop that accepts connections and streams tokens never waits for a forward pass; the two sides only exchange
+messages:
+
+    front end (AsyncLLM)  --ADD / ABORT / SHUTDOWN-->  input queue   -->  EngineCoreProc.run_busy_loop
+    front end (AsyncLLM)  <--one message per step---   output queue  <--  (EngineCoreOutputs + SchedulerStats)
+
+The loop (`run_busy_loop`, a function of this module that `EngineCoreProc.run_busy_loop` guards), each iteration:
 1. idle (no unfinished request): publish the stats if they changed, then block on the input queue;
 2. take every message already waiting, without blocking: requests join the very next step (continuous batching
    across the process boundary), aborts free their blocks before it;
-3. run one `engine.step()` and put ONE message with that step's DELTA `RequestOutput`s and its `SchedulerStats`.
+3. run one `step()` and put ONE message with that step's outputs and its `SchedulerStats`.
 
-Failures, in two tiers: a request the engine refuses (`add_request` raising ValueError — the front end validates
+Failures, in two tiers: a request the core refuses (`add_request` raising ValueError — the front end validates
 first, so this is a safety net) is answered with an error for that request id alone; any other exception — in
 `step()` above all — leaves the engine in an unknown state, so it is fatal: the core sends `EngineDead` with the
 traceback and stops.
 
-Where this lives in vLLM: `vllm/v1/engine/core.py` (`EngineCore.step`, `EngineCoreProc.run_busy_loop`), the
-message types in `vllm/v1/engine/__init__.py` (`EngineCoreRequestType`, `EngineCoreOutputs`). Unlike vLLM, our
-engine detokenises and checks stop strings inside `step()` (its output processor), so that work runs in the core;
-vLLM moves it to the front-end process.
+Where this lives in vLLM: `vllm/v1/engine/core.py` (`EngineCore.step`, `EngineCoreProc.run_busy_loop`).
 """
 
+import itertools
 import queue
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import Enum
+from dataclasses import dataclass
 from typing import Protocol
 
-from solutions.engine.llm_engine import LLMEngine
-from solutions.metrics.stats import SchedulerStats
-from solutions.outputs import RequestOutput
-from solutions.sampling_params import SamplingParams
+import torch
+
+from solutions.beam_search import BeamSearchParams, BeamSearchSequence, run_beam_search
+from solutions.config import VllmConfig
+from solutions.core.sched.output import EngineCoreOutputs
+from solutions.core.sched.scheduler import Scheduler
+from solutions.core.sequence import Sequence, SequenceStatus
+from solutions.engine import EngineCoreRequest, EngineCoreRequestType
+from solutions.executor.abstract import Executor
+from solutions.structured_output import StructuredOutputManager
 
 IDLE_POLL_SECONDS = 0.5  # how often an idle core checks that its front end is still alive
 
 
-class EngineCoreRequestType(Enum):
-    ADD = "add"  # payload: an EngineCoreRequest
-    ABORT = "abort"  # payload: list of request ids (unknown or finished ones are ignored)
-    SHUTDOWN = "shutdown"  # payload: None
+class EngineCore:
+    """Owns the scheduler (and through it the KV cache manager), the model executor and the structured output
+    manager; `step()` runs one engine step over them."""
+
+    def __init__(self, vllm_config: VllmConfig, executor_class: type[Executor]) -> None:
+        self.vllm_config = vllm_config
+        self.model_executor = executor_class(vllm_config)
+        self.structured_output_manager = StructuredOutputManager.from_config(vllm_config.model_config)
+        self.scheduler = Scheduler.from_config(vllm_config, self.structured_output_manager)
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()  # the order requests came in: priority ties, unseeded seeds
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a validated request as its first sample's sequence (its other samples fork from it once its
+        prompt is computed): its parameters, a generator of its own, and its grammar travel with it."""
+        params, arrival = request.sampling_params, next(self._arrivals)
+        seq = Sequence(next(self._seq_ids), request.prompt_token_ids, priority=request.priority, arrival=arrival)
+        seq.request_id, seq.sampling_params = request.request_id, params
+        # Unseeded requests draw from the engine's seed; a seeded request's i-th sample uses seed + i (as vLLM).
+        seq.seed = self.vllm_config.model_config.seed * 1_000_003 + arrival * 1_009 if params.seed is None else params.seed
+        seq.generator = torch.Generator().manual_seed(seq.seed)
+        if params.structured_outputs is not None:
+            (seq.grammar,) = self.structured_output_manager.grammar_init(params.structured_outputs, 1)
+        seq.fork_seq_ids = [next(self._seq_ids) for _ in range(params.n - 1)]  # forked once the prompt is in
+        self.scheduler.add_request(seq)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Finish these requests now, whatever their state, freeing every block they hold (ids the core no longer
+        has are ignored: they finished while the abort was on its way)."""
+        self.scheduler.finish_requests(request_ids, SequenceStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        """One engine step (`engine_step`, looked up in this module when called, so a chapter can swap it)."""
+        return engine_step(self)
+
+    def beam_search(self, prompts: list[list[int]], params: BeamSearchParams) -> list[list[BeamSearchSequence]]:
+        """The beams of each prompt, best first (text not filled in), run outside the scheduler, as vLLM's does,
+        on this core's KV cache manager and model runner (`solutions/beam_search.py`). The core must be idle."""
+        if self.has_unfinished_requests():
+            raise ValueError("beam_search needs an idle engine: finish or abort the unfinished requests first")
+        return run_beam_search(
+            self.scheduler.kv_cache_manager, self.model_executor.model_runner, prompts, params,
+            eos_token_id=self.vllm_config.model_config.eos_token_id,
+            max_model_len=self.vllm_config.model_config.max_model_len, seq_ids=self._seq_ids,
+        )
+
+    def shutdown(self) -> None:
+        self.model_executor.shutdown()
 
 
-@dataclass(slots=True)
-class EngineCoreRequest:
-    """A request the front end has validated and tokenised: all the core needs to queue it."""
+def engine_step(core: EngineCore) -> EngineCoreOutputs:
+    """One engine step over one flattened batch: schedule → execute → sample → update."""
+    start = time.perf_counter()
+    scheduler_output = core.scheduler.schedule()
+    grammar_output = core.scheduler.get_grammar_bitmask(scheduler_output)  # filled while the forward pass runs
+    schedule_seconds = time.perf_counter() - start
+    core.model_executor.execute_model(scheduler_output)
+    model_output = core.model_executor.sample_tokens(grammar_output)
+    return core.scheduler.update_from_output(scheduler_output, model_output, schedule_seconds)
 
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int
+
+# --- the busy loop ----------------------------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
 class EngineCoreReady:
-    """The core's first message: the engine is built, and these are the facts the front end validates against."""
-
-    vocab_size: int
-    max_model_len: int
-    num_kv_blocks: int
-    block_size: int
-    eos_token_id: int | None
-    seed: int
-    scheduling_policy: str
-    max_num_seqs: int
-
-    @classmethod
-    def from_engine(cls, engine: LLMEngine) -> "EngineCoreReady":
-        return cls(
-            engine.model.config.vocab_size, engine.max_model_len, engine.kv_cache_manager.num_blocks,
-            engine.block_size, engine.model.config.eos_token_id, engine.processor.seed, engine.scheduler.policy.value,
-            engine.scheduler.max_num_seqs,
-        )
-
-
-@dataclass(slots=True)
-class EngineCoreOutputs:
-    """One message from the core: a step's outputs and stats, or a refusal, or a stats report between steps."""
-
-    outputs: list[RequestOutput]
-    scheduler_stats: SchedulerStats | None
-    errors: dict[str, str] = field(default_factory=dict)  # request id -> why the core refused to add it
-    timestamp: float = field(default_factory=time.monotonic)  # when it was put on the queue (one clock per host)
+    """The core's first message: the engine is built (the model loaded, the KV cache allocated)."""
 
 
 @dataclass(slots=True)
@@ -108,48 +149,12 @@ class MessageQueue(Protocol):
     def put(self, item: object) -> None: ...
 
 
-class EngineCore:
-    """Owns an `LLMEngine` and runs it for a front end it only talks to through two queues."""
+class EngineCoreProc(EngineCore):
+    """An engine core that serves a front end it only talks to through two queues."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        cache_stats = engine.kv_cache_manager.prefix_cache_stats
-        self._reported_queries, self._reported_hits = cache_stats.queries, cache_stats.hits  # counted so far
+    def __init__(self, vllm_config: VllmConfig, executor_class: type[Executor]) -> None:
+        super().__init__(vllm_config, executor_class)
         self._stats_changed = False  # an add or abort since the last message: the gauges are out of date
-
-    def add_request(self, request: EngineCoreRequest) -> None:
-        self.engine.add_request(request.request_id, request.prompt_token_ids, request.params, request.priority)
-
-    def abort_requests(self, request_ids: list[str]) -> None:
-        """Abort the ids that are still unfinished here; the rest finished while the abort was on its way."""
-        live = [request_id for request_id in request_ids if request_id in self.engine.requests]
-        if live:
-            self.engine.abort_request(live)
-
-    def step(self) -> EngineCoreOutputs:
-        """One engine step, timed, with the stats it leaves behind. The core reports each step once and a server
-        runs for days, so the engine's per-step history is dropped once read (it would grow without bound)."""
-        start = time.perf_counter()
-        outputs = self.engine.step()
-        seconds = time.perf_counter() - start
-        stats = self.engine.stats
-        num_preempted = stats.steps[-1].num_preempted
-        stats.steps.clear()
-        stats.batch_sizes.clear()
-        return EngineCoreOutputs(outputs, self.make_stats(seconds, num_preempted))
-
-    def make_stats(self, step_seconds: float | None = None, num_preemptions: int = 0) -> SchedulerStats:
-        """The engine's state now; prefix-cache lookups counted since the previous call."""
-        engine, cache_stats = self.engine, self.engine.kv_cache_manager.prefix_cache_stats
-        queries, hits = cache_stats.queries - self._reported_queries, cache_stats.hits - self._reported_hits
-        self._reported_queries, self._reported_hits = cache_stats.queries, cache_stats.hits
-        self._stats_changed = False
-        manager = engine.kv_cache_manager
-        return SchedulerStats(
-            num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting),
-            kv_cache_usage=manager.num_used_blocks / manager.num_blocks, prefix_cache_queries=queries,
-            prefix_cache_hits=hits, num_preemptions=num_preemptions, step_seconds=step_seconds,
-        )
 
     def run_busy_loop(
         self, input_queue: MessageQueue, output_queue: MessageQueue, parent_alive: Callable[[], bool] = lambda: True
@@ -164,7 +169,12 @@ class EngineCore:
         """Idle, after an add or an abort: send the stats alone, so that the gauges (running, waiting, KV usage)
         do not keep showing the last step's state while nothing steps."""
         if self._stats_changed:
-            output_queue.put(EngineCoreOutputs([], self.make_stats()))
+            self._stats_changed = False
+            output_queue.put(EngineCoreOutputs([], self.scheduler.make_stats()))
+
+    def step(self) -> EngineCoreOutputs:
+        self._stats_changed = False
+        return super().step()
 
     def handle(self, message: InputMessage, output_queue: MessageQueue) -> bool:
         """Apply one input message; False means stop the loop (SHUTDOWN)."""
@@ -183,12 +193,12 @@ class EngineCore:
 
 
 def run_busy_loop(
-    core: EngineCore, input_queue: MessageQueue, output_queue: MessageQueue, parent_alive: Callable[[], bool]
+    core: EngineCoreProc, input_queue: MessageQueue, output_queue: MessageQueue, parent_alive: Callable[[], bool]
 ) -> None:
     """Serve the queues until SHUTDOWN or, while idle, `parent_alive()` turning False: block while idle, take
     every waiting message before each step, one `core.step()` and one output message per iteration."""
     while True:
-        while not core.engine.has_unfinished_requests():  # 1. idle: wait for work
+        while not core.has_unfinished_requests():  # 1. idle: wait for work
             core.report_idle(output_queue)
             try:
                 message = input_queue.get(timeout=IDLE_POLL_SECONDS)
@@ -205,5 +215,5 @@ def run_busy_loop(
                 break
             if not core.handle(message, output_queue):
                 return
-        if core.engine.has_unfinished_requests():  # (unless everything was aborted)
+        if core.has_unfinished_requests():  # (unless everything was aborted)
             output_queue.put(core.step())  # 3. one step, one message

@@ -1,5 +1,6 @@
-"""The front end's handle on the engine core, wherever the core runs: `MPClient` (its own process) or
-`ThreadClient` (a thread of this process). Both answer the same verbs, so `AsyncLLM` never knows which it has.
+"""The front end's handle on the engine core, wherever the core runs: `InprocClient` (called directly, as
+`LLMEngine` offline does), `MPClient` (its own process) or `ThreadClient` (a thread of this process). They answer
+the same verbs, so a front end never knows which it has.
 
 Why a process by default. A Python thread shares the interpreter lock with the server's event loop: while the
 core's thread runs the Python parts of a step (scheduling, building the batch's metadata, sampling, stop checks,
@@ -23,8 +24,8 @@ two threads on two oversubscribed cores); `OMP_NUM_THREADS=1` in the environment
 
 The child process is started with "spawn" (a fresh interpreter, not a fork of this one: forking a process that
 has started threads — tokenizers, OpenMP, the event loop — can deadlock the child). So the child imports
-everything again and builds its own `LLM(**llm_kwargs).llm_engine`; its entry point must be a top-level function
-(`run_engine_core`). It ignores Ctrl-C, which the terminal sends to the whole process group: stopping the core
+everything again and builds its own `EngineCoreProc` from the same `VllmConfig`; its entry point must be a
+top-level function (`run_engine_core`). It ignores Ctrl-C, which the terminal sends to the whole process group: stopping the core
 is the front end's decision (`shutdown`), and an orphaned core notices its parent is gone and exits.
 
 A child can also die without a word (killed, out of memory, a segfault in a kernel). `MPClient.get_output`
@@ -48,34 +49,25 @@ from abc import ABC, abstractmethod
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from solutions.engine.core import (
-    EngineCore,
-    EngineCoreReady,
-    EngineCoreRequest,
-    EngineCoreRequestType,
-    EngineDead,
-    OutputMessage,
-)
+from solutions.config import VllmConfig
+from solutions.core.sched.output import EngineCoreOutputs
+from solutions.engine import EngineCoreRequest, EngineCoreRequestType
+from solutions.engine.core import EngineCore, EngineCoreProc, EngineCoreReady, EngineDead, OutputMessage
+from solutions.executor.abstract import Executor
 
-ENGINE_CORE_KINDS = ("process", "thread")
 STARTUP_TIMEOUT_SECONDS = 300.0  # building the engine: imports, loading weights (the first SmolLM2 load converts it)
 POLL_SECONDS = 0.1  # the longest a reader waits before checking that the core is still alive
 SHUTDOWN_TIMEOUT_SECONDS = 10.0  # for the core to finish its current step and exit before it is terminated
 
 
 class EngineCoreClient(ABC):
-    """Send requests to the engine core, read its messages back. `ready` holds the core's first message."""
-
-    ready: EngineCoreReady
+    """Send requests to the engine core, read its messages back."""
 
     @staticmethod
-    def make_client(engine_core: str, llm_kwargs: dict[str, Any]) -> "EngineCoreClient":
-        """The client for `engine_core` ("process" or "thread"), its core built from `LLM(**llm_kwargs)`."""
-        if engine_core == "process":
-            return MPClient(llm_kwargs)
-        if engine_core == "thread":
-            return ThreadClient(llm_kwargs)
-        raise ValueError(f"engine_core must be one of {ENGINE_CORE_KINDS}, got {engine_core!r}")
+    def make_client(engine_core: str, vllm_config: VllmConfig, executor_class: type[Executor]) -> "EngineCoreClient":
+        """The client for `engine_core`: "inproc" (offline), "process" or "thread" (a server's busy loop)."""
+        clients = {"inproc": InprocClient, "process": MPClient, "thread": ThreadClient}
+        return clients[engine_core](vllm_config, executor_class)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send((EngineCoreRequestType.ADD, request))
@@ -88,6 +80,7 @@ class EngineCoreClient(ABC):
         """The core's next message, waiting at most `timeout` seconds (None if none came); `EngineDead` once the
         core has stopped, whether it said so or died silently."""
 
+
     @abstractmethod
     def shutdown(self) -> None:
         """Stop the core and release its queues (and process). Idempotent."""
@@ -96,22 +89,46 @@ class EngineCoreClient(ABC):
     def _send(self, message: tuple) -> None: ...
 
 
+# --- the core called directly ------------------------------------------------------------------------------------
+
+
+class InprocClient(EngineCoreClient):
+    """The engine core in this process, stepped by the caller: `get_output` runs one step (offline `LLMEngine`)."""
+
+    def __init__(self, vllm_config: VllmConfig, executor_class: type[Executor]) -> None:
+        self.engine_core = EngineCore(vllm_config, executor_class)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.engine_core.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.engine_core.abort_requests(request_ids)
+
+    def get_output(self, timeout: float = 0.0) -> EngineCoreOutputs:
+        return self.engine_core.step()
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
+
+    def _send(self, message: tuple) -> None:
+        raise RuntimeError("the in-process client calls the engine core directly")
+
 # --- the core in its own process --------------------------------------------------------------------------------
 
 
-def run_engine_core(llm_kwargs: dict[str, Any], input_queue: Any, output_queue: Any) -> None:
-    """The child process's entry point: build the engine, say READY (or why not), run the busy loop."""
+def run_engine_core(
+    vllm_config: VllmConfig, executor_class: type[Executor], input_queue: Any, output_queue: Any
+) -> None:
+    """The child process's entry point: build the engine core, say READY (or why not), run the busy loop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the front end decides
-    from solutions.llm import LLM  # imported here: the parent may not need torch's model code at all
-
     try:
-        engine = LLM(**llm_kwargs).llm_engine
+        engine_core = EngineCoreProc(vllm_config, executor_class)
     except Exception as error:  # sent back whole, so the caller sees the ValueError naming its field
         output_queue.put(error if _picklable(error) else RuntimeError(traceback.format_exc()))
         return
-    output_queue.put(EngineCoreReady.from_engine(engine))
+    output_queue.put(EngineCoreReady())
     parent = multiprocessing.parent_process()
-    EngineCore(engine).run_busy_loop(input_queue, output_queue, parent_alive=parent.is_alive)
+    engine_core.run_busy_loop(input_queue, output_queue, parent_alive=parent.is_alive)
     # Leave without the interpreter's teardown: the core owns nothing that needs finalising once its last messages
     # are flushed, and unloading torch's modules would add a second or more to every shutdown.
     output_queue.close()
@@ -153,12 +170,12 @@ def _stop_process(process: BaseProcess, input_queue: Any, output_queue: Any) -> 
 class MPClient(EngineCoreClient):
     """The engine core in a child process (multiprocessing, "spawn"), two `multiprocessing.Queue`s between."""
 
-    def __init__(self, llm_kwargs: dict[str, Any]) -> None:
+    def __init__(self, vllm_config: VllmConfig, executor_class: type[Executor]) -> None:
         context = multiprocessing.get_context("spawn")
         self.input_queue, self.output_queue = context.Queue(), context.Queue()
         self.process = context.Process(
-            target=run_engine_core, args=(llm_kwargs, self.input_queue, self.output_queue), name="EngineCore",
-            daemon=True,
+            target=run_engine_core, args=(vllm_config, executor_class, self.input_queue, self.output_queue),
+            name="EngineCore", daemon=True,
         )
         self.process.start()
         self._finalizer = weakref.finalize(self, _stop_process, self.process, self.input_queue, self.output_queue)
@@ -169,7 +186,6 @@ class MPClient(EngineCoreClient):
                 raise first
             reason = first.message if isinstance(first, EngineDead) else "no READY message in time"
             raise RuntimeError(f"the engine core process did not start: {reason}")
-        self.ready = first
 
     def get_output(self, timeout: float) -> OutputMessage | BaseException | None:
         waited = 0.0
@@ -201,11 +217,8 @@ class MPClient(EngineCoreClient):
 class ThreadClient(EngineCoreClient):
     """The engine core in a daemon thread of this process, two `queue.Queue`s between (nothing is pickled)."""
 
-    def __init__(self, llm_kwargs: dict[str, Any]) -> None:
-        from solutions.llm import LLM
-
-        self.engine_core = EngineCore(LLM(**llm_kwargs).llm_engine)
-        self.ready = EngineCoreReady.from_engine(self.engine_core.engine)
+    def __init__(self, vllm_config: VllmConfig, executor_class: type[Executor]) -> None:
+        self.engine_core = EngineCoreProc(vllm_config, executor_class)
         self.input_queue: queue.Queue = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()
         self.thread = threading.Thread(
@@ -229,6 +242,7 @@ class ThreadClient(EngineCoreClient):
         if self.thread.is_alive():
             self.input_queue.put((EngineCoreRequestType.SHUTDOWN, None))
             self.thread.join(SHUTDOWN_TIMEOUT_SECONDS)
+        self.engine_core.shutdown()
 
     def _send(self, message: tuple) -> None:
         self.input_queue.put(message)

@@ -7,7 +7,10 @@ tokens: text is decoded from `prefix_offset` (a few tokens of context) both up t
 and the difference is the new text — emitted only once it no longer ends in a partial character.
 
 Stop strings are searched in the new text only (plus the last `len(stop) - 1` characters before it, where a stop
-string may have started), and the text is cut where the stop string begins.
+string may have started), and the text is cut where the stop string begins. The engine core never sees text, so a
+request that a stop string finishes is handed back to be aborted there (`reqs_to_abort`). vLLM gives each sample
+of an `n > 1` request a request id of its own in the core and can abort one; ours are one request there, aborted
+once every sample has finished (a sample a stop string ended may run on in the core until then, unreported).
 
 Where this lives in vLLM: `vllm/v1/engine/output_processor.py` (`OutputProcessor`, `RequestState`) and
 `vllm/v1/engine/detokenizer.py` (`IncrementalDetokenizer`, `check_stop_strings`).
@@ -17,9 +20,11 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from solutions.engine.processor import Request
+from solutions.core.sched.output import EngineCoreOutput
+from solutions.engine import EngineCoreRequest
+from solutions.exceptions import ParameterError
 from solutions.outputs import CompletionOutput, FinishReason, Logprob, RequestOutput
-from solutions.sampling_params import RequestOutputKind
+from solutions.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -79,21 +84,40 @@ def check_stop_strings(text: str, num_new_chars: int, stop: list[str]) -> tuple[
 class RequestState:
     """Everything the output processor keeps for one request until it finishes."""
 
-    def __init__(self, request: Request, tokenizer: PreTrainedTokenizerBase | None) -> None:
-        self.request = request
+    def __init__(self, prompt: str | None, request: EngineCoreRequest, tokenizer: PreTrainedTokenizerBase | None) -> None:
+        self.request_id, self.prompt, self.prompt_token_ids = request.request_id, prompt, request.prompt_token_ids
+        self.params: SamplingParams = request.sampling_params
         self.tokenizer = tokenizer
-        self.completions = [CompletionState(i, IncrementalDetokenizer(tokenizer)) for i in range(request.params.n)]
-        if request.params.logprobs is not None:
+        self.completions = [CompletionState(i, IncrementalDetokenizer(tokenizer)) for i in range(self.params.n)]
+        if self.params.logprobs is not None:
             for completion in self.completions:
                 completion.logprobs, completion.cumulative_logprob = [], 0.0
         self.num_cached_tokens = 0
+        self.stopped_by_string = False  # the core does not know: it must be told to abort
 
     @property
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.completions)
 
+    def add_output(self, output: EngineCoreOutput) -> None:
+        """Take one sample's new tokens: text, logprobs, stop strings; then the core's finish, if any."""
+        completion = self.completions[output.index]
+        if output.num_cached_tokens is not None:
+            self.num_cached_tokens = output.num_cached_tokens
+        if completion.finish_reason is not None:
+            return  # a stop string ended it; the core ran on until the whole request was done
+        for i, token_id in enumerate(output.new_token_ids):
+            top, sampled = (None, None) if output.new_logprobs is None else output.new_logprobs[i]
+            if stop_string := self.add_token(output.index, token_id, top, sampled):
+                self.finish(output.index, FinishReason.STOP, stop_string)  # the text's stop wins, as in vLLM
+                self.stopped_by_string = True
+                return
+        if output.finish_reason is not None:
+            self.finish(output.index, output.finish_reason, output.stop_reason)
+
     def add_token(
-        self, index: int, token_id: int, top_logprobs: list[tuple[int, float]] | None, sampled_logprob: tuple[float, int]
+        self, index: int, token_id: int, top_logprobs: list[tuple[int, float]] | None,
+        sampled_logprob: tuple[float, int] | None,
     ) -> str | None:
         """Record sample `index`'s new token; return the stop string it completed, if any."""
         completion = self.completions[index]
@@ -105,7 +129,7 @@ class RequestState:
             entry.setdefault(token_id, Logprob(logprob, rank, self._decode(token_id)))
             completion.logprobs.append(entry)
             completion.cumulative_logprob += logprob
-        stop = self.request.params.stop
+        stop = self.params.stop
         if stop and new_text and (hit := check_stop_strings(completion.text, len(new_text), stop)):
             stop_string, position = hit
             completion.text = completion.text[:position]
@@ -122,12 +146,11 @@ class RequestState:
 
     def make_output(self) -> RequestOutput | None:
         """This step's output for the request, by its output kind; None when there is nothing to report."""
-        request = self.request
-        final_only = request.params.output_kind is RequestOutputKind.FINAL_ONLY
+        final_only = self.params.output_kind is RequestOutputKind.FINAL_ONLY
         if final_only and not self.finished:
             return None
         # While a sample runs, hold back the text a stop string could still start in: it may yet be cut.
-        hold_back = max((len(s) for s in request.params.stop), default=1) - 1
+        hold_back = max((len(s) for s in self.params.stop), default=1) - 1
         outputs = []
         for c in self.completions:
             if c.finish_sent:
@@ -147,5 +170,53 @@ class RequestState:
         if not outputs:
             return None
         return RequestOutput(
-            request.request_id, request.prompt, request.prompt_token_ids, outputs, self.finished, self.num_cached_tokens
+            self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished, self.num_cached_tokens
         )
+
+
+@dataclass
+class OutputProcessorOutput:
+    request_outputs: list[RequestOutput]
+    reqs_to_abort: list[str]  # finished here by a stop string: the core must free them
+
+
+class OutputProcessor:
+    """The front end's registry of unfinished requests: engine-core outputs in, `RequestOutput`s out."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
+        self.tokenizer = tokenizer
+        self.request_states: dict[str, RequestState] = {}
+
+    def add_request(self, prompt: str | None, request: EngineCoreRequest) -> None:
+        """Register a request before it is sent to the core (ParameterError if its id is still in use)."""
+        if request.request_id in self.request_states:
+            raise ParameterError(
+                f"request_id {request.request_id!r} is already in use by an unfinished request", "request_id"
+            )
+        self.request_states[request.request_id] = RequestState(prompt, request, self.tokenizer)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.request_states.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.request_states)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
+        """Detokenise a step's outputs, check stop strings, make each touched request's `RequestOutput`."""
+        touched: dict[str, RequestState] = {}
+        for output in outputs:
+            state = self.request_states.get(output.request_id)
+            if state is None:
+                continue  # aborted here; the core's abort is on its way
+            state.add_output(output)
+            touched[output.request_id] = state
+        request_outputs, reqs_to_abort = [], []
+        for request_id, state in touched.items():
+            if (request_output := state.make_output()) is not None:
+                request_outputs.append(request_output)
+            if state.finished:
+                self.request_states.pop(request_id, None)  # (a server's caller may have aborted it meanwhile)
+                if state.stopped_by_string:
+                    reqs_to_abort.append(request_id)
+        return OutputProcessorOutput(request_outputs, reqs_to_abort)

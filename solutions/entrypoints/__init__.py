@@ -1,4 +1,4 @@
-"""Ways into the engine from outside Python: the OpenAI-compatible HTTP server (`openai/`).
+"""Ways into the engine: `LLM`, the offline entry point (`llm.py`), and the OpenAI-compatible server (`openai/`).
 
 Where this lives in vLLM: `vllm/entrypoints/`.
 """

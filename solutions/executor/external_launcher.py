@@ -15,44 +15,40 @@ Where this lives in vLLM: `vllm/v1/executor/uniproc_executor.py` (`ExecutorWithE
 """
 
 import os
-from typing import Any
 
-import torch
-
-from solutions.core.sched.output import SchedulerOutput
+from solutions.config import VllmConfig
 from solutions.distributed.layers import shard_model
 from solutions.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
-from solutions.model.llama import LlamaForCausalLM
+from solutions.exceptions import ParameterError
+from solutions.executor.abstract import Executor
 from solutions.worker.model_runner import ModelRunner
 
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-class ExecutorWithExternalLauncher:
-    """This rank's slice of the model and KV cache, in the group `torchrun` set up; the same `execute_model` as a
-    `ModelRunner`."""
+class ExecutorWithExternalLauncher(Executor):
+    """This rank's slice of the model and KV cache, in the group `torchrun` set up; every rank samples."""
 
-    def __init__(self, full_model: LlamaForCausalLM, tp_size: int, runner_kwargs: dict[str, Any]) -> None:
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        super().__init__(vllm_config)
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
         missing = [name for name in LAUNCHER_ENV if name not in os.environ]
         if missing:
-            raise ValueError(
-                f"distributed_executor_backend='external_launcher' runs under torchrun, which sets {list(LAUNCHER_ENV)}; "
-                f"{missing} are not set (start the script with `torchrun --nproc-per-node {tp_size} ...`)"
+            raise ParameterError(
+                f"distributed_executor_backend='external_launcher' runs under torchrun, which sets "
+                f"{list(LAUNCHER_ENV)}; {missing} are not set (start the script with `torchrun --nproc-per-node "
+                f"{tp_size} ...`)", "distributed_executor_backend",
             )
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if world_size != tp_size:
-            raise ValueError(
-                f"tensor_parallel_size={tp_size} must equal the number of processes torchrun started (WORLD_SIZE={world_size})"
+            raise ParameterError(
+                f"tensor_parallel_size={tp_size} must equal the number of processes torchrun started "
+                f"(WORLD_SIZE={world_size})", "tensor_parallel_size",
             )
-        device_type = full_model.model.embed_tokens.weight.device.type  # on GPUs: this rank's own (LLM chose it)
-        if device_type == "cuda":  # NCCL; steps run eagerly (no CUDA graphs across ranks)
-            runner_kwargs = {**runner_kwargs, "enforce_eager": True}
-        init_tensor_parallel(rank, world_size, "env://", device=device_type)
-        self.model_runner = ModelRunner(shard_model(full_model, rank, world_size), **runner_kwargs)
-        self.kv_cache = self.model_runner.kv_cache  # this rank's heads of every block
-
-    def execute_model(self, scheduler_output: SchedulerOutput, seconds: dict[str, float] | None = None) -> torch.Tensor:
-        return self.model_runner.execute_model(scheduler_output, seconds)
+        device = vllm_config.device_config.device  # on GPUs: this rank's own (the config chose it)
+        init_tensor_parallel(rank, world_size, "env://", device=device.type)
+        eager = {"enforce_eager": True} if device.type == "cuda" else {}  # NCCL: no CUDA graphs across ranks
+        self.model_runner = ModelRunner.from_config(shard_model(self.load_model(), rank, world_size), vllm_config, **eager)
 
     def shutdown(self) -> None:
         destroy_tensor_parallel()

@@ -2,12 +2,12 @@
 
     LLM("smollm2-135m", tensor_parallel_size=2)
 
-The engine (scheduler, KV cache manager, sampler) lives only on rank 0 and knows nothing of ranks: block ids are
+The engine core (scheduler, KV cache manager) lives only on rank 0 and knows nothing of ranks: block ids are
 the same on every rank, because every rank's KV cache has the same blocks, each holding that rank's heads. Each
 step, `execute_model` broadcasts the step's `SchedulerOutput` to the workers, and every rank runs the same
 forward pass on its slice of the weights (`solutions/distributed/layers.py`); the collectives inside the model
-keep them in step, and the logits come out whole on every rank. Rank 0 samples; the others wait for the next
-broadcast. A broadcast of `None` stops them.
+keep them in step, and the logits come out whole on every rank. Rank 0's runner samples (`sample_tokens`); the
+others wait for the next broadcast. A broadcast of `None` stops them.
 
 The workers are started with "spawn" by default (a fresh interpreter, as the engine core's process in chapter 7):
 each loads the checkpoint itself, then keeps its slice, and runs the code `solutions/` holds on disk. With "fork"
@@ -28,14 +28,20 @@ is its `VLLM_WORKER_MULTIPROC_METHOD`.
 import multiprocessing
 import os
 import weakref
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from solutions.distributed.layers import shard_model
-from solutions.distributed.parallel_state import broadcast_object, destroy_tensor_parallel, free_port, init_tensor_parallel
+from solutions.config import VllmConfig
 from solutions.core.sched.output import SchedulerOutput
+from solutions.distributed.layers import shard_model
+from solutions.distributed.parallel_state import (
+    broadcast_object,
+    destroy_tensor_parallel,
+    free_port,
+    init_tensor_parallel,
+)
+from solutions.executor.abstract import Executor
 from solutions.model.llama import LlamaForCausalLM
 from solutions.model.loader import load_model
 from solutions.worker.model_runner import ModelRunner
@@ -45,51 +51,53 @@ def _threads_per_rank(tp_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // tp_size)
 
 
-WORKER_MULTIPROC_METHODS = ("spawn", "fork")
-
-
 def run_worker(
-    rank: int, tp_size: int, init_method: str, model: str | LlamaForCausalLM, dtype: torch.dtype,
-    runner_kwargs: dict[str, Any], threads: int, device_type: str = "cpu",
+    rank: int, vllm_config: VllmConfig, init_method: str, full_model: LlamaForCausalLM | None, threads: int
 ) -> None:
-    """A worker process: join the group, slice the model (loading it first when given its name; on GPUs onto this
+    """A worker process: join the group, slice the model (loading it first when spawned; on GPUs onto this
     rank's own, cuda:rank), then run every broadcast step until `None`."""
     torch.set_num_threads(threads)
-    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    device = vllm_config.device_config.device
     if device.type == "cuda":
+        device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     init_tensor_parallel(rank, tp_size, init_method, device=device.type)
     try:
-        full = load_model(model, device=device, dtype=dtype) if isinstance(model, str) else model
-        runner = ModelRunner(shard_model(full, rank, tp_size), **runner_kwargs)
+        if full_model is None:
+            full_model = load_model(vllm_config.model_config.model, device=device, dtype=vllm_config.model_config.dtype)
+        runner = ModelRunner.from_config(shard_model(full_model, rank, tp_size), vllm_config, **_eager_on_gpu(device))
         while (scheduler_output := broadcast_object()) is not None:
             runner.execute_model(scheduler_output)
     finally:
         destroy_tensor_parallel()
 
 
-class MultiprocExecutor:
-    """Rank 0's side: the same `execute_model` as a `ModelRunner`, over `tp_size` ranks."""
+def _eager_on_gpu(device: torch.device) -> dict[str, bool]:
+    """NCCL, one GPU per rank: steps run eagerly (no CUDA graphs across ranks)."""
+    return {"enforce_eager": True} if device.type == "cuda" else {}
 
-    def __init__(
-        self, model: str, full_model: LlamaForCausalLM, tp_size: int, runner_kwargs: dict[str, Any],
-        start_method: str = "spawn",
-    ) -> None:
-        if start_method not in WORKER_MULTIPROC_METHODS:
-            raise ValueError(f"worker_multiproc_method must be one of {WORKER_MULTIPROC_METHODS}, got {start_method!r}")
+
+class MultiprocExecutor(Executor):
+    """Rank 0's side: the same `execute_model` as one process's, over `tensor_parallel_size` ranks."""
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        super().__init__(vllm_config)
         if torch.distributed.is_initialized():
             raise RuntimeError(
                 "this process already belongs to a tensor-parallel group: one tensor-parallel engine per process; "
-                "shut the other down first (its llm_engine.model_runner.shutdown())"
+                "shut the other down first (its llm_engine.shutdown())"
             )
+        parallel = vllm_config.parallel_config
+        tp_size, start_method = parallel.tensor_parallel_size, parallel.worker_multiproc_method
         init_method = f"tcp://127.0.0.1:{free_port()}"
         context = multiprocessing.get_context(start_method)
-        dtype, device_type = full_model.model.embed_tokens.weight.dtype, full_model.model.embed_tokens.weight.device.type
-        if device_type == "cuda":  # NCCL, one GPU per rank; steps run eagerly (no CUDA graphs across ranks)
-            runner_kwargs = {**runner_kwargs, "enforce_eager": True}
-        source, worker_threads = (model, _threads_per_rank(tp_size)) if start_method == "spawn" else (full_model, 1)
+        full_model = self.load_model()
+        device = vllm_config.device_config.device
+        # Spawned workers load the checkpoint themselves; forked ones are copies of this process, model included.
+        source, worker_threads = (None, _threads_per_rank(tp_size)) if start_method == "spawn" else (full_model, 1)
         self.workers = [
-            context.Process(target=run_worker, args=(rank, tp_size, init_method, source, dtype, runner_kwargs, worker_threads, device_type),
+            context.Process(target=run_worker, args=(rank, vllm_config, init_method, source, worker_threads),
                             name=f"tp-worker-{rank}", daemon=True)
             for rank in range(1, tp_size)
         ]
@@ -99,20 +107,21 @@ class MultiprocExecutor:
         torch.set_num_threads(_threads_per_rank(tp_size))  # given back at shutdown
         self._finalizer = weakref.finalize(self, _shut_down, self.workers, threads)
         try:
-            init_tensor_parallel(0, tp_size, init_method, device=device_type)  # returns once every worker has joined
-            self.model_runner = ModelRunner(shard_model(full_model, 0, tp_size), **runner_kwargs)
+            init_tensor_parallel(0, tp_size, init_method, device=device.type)  # returns once every worker has joined
+            self.model_runner = ModelRunner.from_config(
+                shard_model(full_model, 0, tp_size), vllm_config, **_eager_on_gpu(device)
+            )
         except BaseException:
             self._finalizer()  # no worker, group or thread setting outlives a failed start
             raise
-        self.kv_cache = self.model_runner.kv_cache  # rank 0's: its heads of every block
 
-    def execute_model(self, scheduler_output: SchedulerOutput, seconds: dict[str, float] | None = None) -> torch.Tensor:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
         dead = [worker.name for worker in self.workers if not worker.is_alive()]
         if dead:
             raise RuntimeError(f"tensor-parallel workers {dead} have died; this engine cannot run another step")
         try:
             broadcast_object(scheduler_output)
-            return self.model_runner.execute_model(scheduler_output, seconds)
+            return self.model_runner.execute_model(scheduler_output)
         except RuntimeError as error:  # a collective failed: a peer closed its connection or timed out
             dead = [worker.name for worker in self.workers if not worker.is_alive()]
             raise RuntimeError(f"a tensor-parallel step failed (dead workers: {dead or 'none'}): {error}") from error

@@ -17,17 +17,53 @@ from dataclasses import dataclass, field
 from solutions.outputs import RequestOutput
 
 
+STEP_STAGES = ("schedule", "prepare", "forward", "sample", "postprocess")  # where a step's time goes (postprocess: update_from_output)
+
+
 @dataclass(slots=True)
 class SchedulerStats:
-    """The engine core's state after one step (or between steps, when `step_seconds` is None)."""
+    """The engine core's state after one step (or between steps: then `seconds` is empty). The one record of
+    what a step did: the terminal table, `/metrics`, the benchmarks and the chapters' timelines all read it."""
 
     num_running: int  # sequences in the running batch
     num_waiting: int  # sequences queued (new or preempted)
-    kv_cache_usage: float  # fraction of the KV blocks in use, 0..1 (cached free blocks count as free)
+    num_blocks_used: int  # KV blocks held by sequences (cached free blocks count as free)
+    kv_cache_usage: float  # num_blocks_used / the pool's blocks, 0..1
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache since the last report
     prefix_cache_hits: int  # of those, tokens found cached
-    num_preemptions: int  # sequences preempted in this step
-    step_seconds: float | None  # wall time of `engine.step()`; None for a report made between steps
+    num_preemptions: int = 0  # sequences preempted in this step
+    num_scheduled_seqs: int = 0  # the step's batch size
+    num_prefill_tokens: int = 0  # scheduled tokens catching up with a prompt (or a recompute)
+    num_decode_tokens: int = 0  # scheduled tokens that are one sequence's newest, sampled token
+    num_cached_tokens: int = 0  # found in the prefix cache by the sequences admitted in this step
+    seconds: dict[str, float] = field(default_factory=dict)  # per stage of STEP_STAGES
+
+    @property
+    def step_seconds(self) -> float | None:
+        """Wall time of the step; None for a report made between steps."""
+        return sum(self.seconds.values()) if self.seconds else None
+
+
+@dataclass
+class EngineStats:
+    """A stat logger that keeps every step's `SchedulerStats` and a few totals: `LLMEngine.stats`."""
+
+    num_steps: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    batch_sizes: list[int] = field(default_factory=list)  # sequences per step
+    peak_blocks_used: int = 0
+    steps: list[SchedulerStats] = field(default_factory=list)
+
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: "IterationStats | None" = None) -> None:
+        if scheduler_stats is None or not scheduler_stats.seconds:
+            return  # a refusal, or a report between steps
+        self.num_steps += 1
+        self.num_prefill_tokens += scheduler_stats.num_prefill_tokens
+        self.num_decode_tokens += scheduler_stats.num_decode_tokens
+        self.batch_sizes.append(scheduler_stats.num_scheduled_seqs)
+        self.peak_blocks_used = max(self.peak_blocks_used, scheduler_stats.num_blocks_used)
+        self.steps.append(scheduler_stats)
 
 
 @dataclass(slots=True)

@@ -2,13 +2,15 @@
 
     SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))   # or regex=, choice=, grammar=
 
-The manager's part of a step, in the order the engine runs them:
-    grammar_init     at `add_request`: compile the constraint (cached by its text), one matcher per sample;
-                     a constraint that does not compile is a ValueError there, before anything is queued
-    submit_bitmask   at the end of `schedule()`: start filling the mask rows of the samples that sample this
-                     step, on a worker thread, while the forward pass runs (the library drops the GIL)
-    grammar_bitmask  in `sample()`: the step's (N, W) mask, every row of an unconstrained sample all ones;
-                     the sampler applies it to the logits first (`apply_token_bitmask`)
+The front end's processor has already validated the constraint (`GuidanceBackend.validate_grammar`: a
+constraint that does not compile is a ValueError there, before anything is queued). The manager, in the engine
+core, does the rest, in the order a step runs them:
+    grammar_init     at `add_request` (and when a sample is forked): compile the constraint (cached by its
+                     text) into a fresh matcher for one sample
+    submit_bitmask   `scheduler.get_grammar_bitmask`, before the forward pass: fill the (N, W) mask of the
+                     step's sampling rows on a worker thread while the forward pass runs (the library drops the
+                     GIL), every row of an unconstrained sample all ones; the runner applies it to the logits
+                     before sampling (`apply_token_bitmask`)
     then `update_from_output` advances each matcher by its sampled token, and a sample whose grammar is
     complete (`is_terminated`) finishes with finish_reason "stop".
 
@@ -30,6 +32,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from solutions.config import ModelConfig
+from solutions.model.loader import load_tokenizer
 from solutions.sampling_params import StructuredOutputsParams
 from solutions.structured_output.backend_guidance import GuidanceBackend
 from solutions.structured_output.backend_types import StructuredOutputGrammar
@@ -42,15 +46,31 @@ GRAMMAR_CACHE_SIZE = 256  # compiled constraints kept, least recently used dropp
 
 
 class StructuredOutputManager:
-    """Compiles constraints for one tokenizer and fills the token masks of each step."""
+    """Compiles constraints for one tokenizer and fills the token masks of each step. In the engine core it is
+    made `from_config`, and loads the model's tokenizer at the first constrained request (as vLLM's manager
+    loads its own in the core)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, eos_token_id: int | None) -> None:
-        self.tokenizer, self.vocab_size, self.eos_token_id = tokenizer, vocab_size, eos_token_id
+        self._tokenizer, self.vocab_size, self.eos_token_id = tokenizer, vocab_size, eos_token_id
+        self._model: str | None = None  # where to load the tokenizer from, when it is not given
         self._compile = functools.lru_cache(maxsize=GRAMMAR_CACHE_SIZE)(self._compile_uncached)
         self._executor: ThreadPoolExecutor | None = None  # started by the first constrained step
-        self._pending: tuple[dict[int, int], torch.Tensor, Future[None]] | None = None
+
+    @classmethod
+    def from_config(cls, model_config: ModelConfig) -> "StructuredOutputManager":
+        manager = cls(None, model_config.vocab_size, model_config.eos_token_id)
+        manager._model = model_config.model
+        return manager
 
     # --- compiling, once per constraint ------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        if self._tokenizer is None and self._model is not None:
+            self._tokenizer = load_tokenizer(self._model)
+        if self._tokenizer is None:
+            raise ValueError("SamplingParams.structured_outputs needs a tokenizer, and this model folder has none")
+        return self._tokenizer
 
     @functools.cached_property
     def backend(self) -> GuidanceBackend:
@@ -66,53 +86,26 @@ class StructuredOutputManager:
         return list(params.choice) if kind == "choice" else self.backend.compile_grammar(params)
 
     def grammar_init(self, params: StructuredOutputsParams, num_samples: int) -> list[StructuredOutputGrammar]:
-        """One fresh grammar per sample of a request (ValueError if the constraint is not valid)."""
-        if self.tokenizer is None:
-            raise ValueError("SamplingParams.structured_outputs needs a tokenizer, and this model folder has none")
-        compiled = self._compile(params.key)  # (kind, spec as text): equal constraints compile once
+        """One fresh grammar per sample of a request (equal constraints compile once)."""
+        compiled = self._compile(params.key)  # (kind, spec as text)
         if params.kind == "choice":
             return [ChoiceGrammar(compiled, self.token_texts) for _ in range(num_samples)]
         return [self.backend.new_grammar(compiled) for _ in range(num_samples)]
 
     # --- the masks of one step ---------------------------------------------------------------------------------
 
-    def submit_bitmask(self, grammars: list[StructuredOutputGrammar]) -> None:
-        """Start filling these grammars' mask rows on the worker thread; `grammar_bitmask` collects them."""
-        self._wait()
-        if not grammars:
-            return
+    def submit_bitmask(self, grammars: list[StructuredOutputGrammar | None]) -> "Future[torch.Tensor]":
+        """Start filling the (N, W) mask of a step's N sampling rows on the worker thread: row i from
+        `grammars[i]`, all allowed where it is None. The caller waits on the future before sampling, so no
+        grammar is touched by two threads."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask")
         bitmask = allocate_token_bitmask(len(grammars), self.vocab_size)
-        rows = {id(grammar): row for row, grammar in enumerate(grammars)}
-        self._pending = rows, bitmask, self._executor.submit(_fill, grammars, bitmask)
-
-    def grammar_bitmask(self, grammars: list[StructuredOutputGrammar | None]) -> torch.Tensor:
-        """The (N, W) mask of a step's N sampled rows: row i from `grammars[i]`, all allowed where it is None.
-
-        Rows submitted before the forward pass are copied from that work; any other grammar is filled now.
-        """
-        rows, filled = self._wait()
-        bitmask = allocate_token_bitmask(len(grammars), self.vocab_size)
-        for i, grammar in enumerate(grammars):
-            if grammar is None:
-                continue
-            if id(grammar) in rows:
-                bitmask[i] = filled[rows[id(grammar)]]
-            else:
-                grammar.fill_bitmask(bitmask, i)
-        return bitmask
-
-    def _wait(self) -> tuple[dict[int, int], torch.Tensor | None]:
-        """Finish the submitted fill, if any, and hand over its rows (no grammar is touched by two threads)."""
-        if self._pending is None:
-            return {}, None
-        rows, bitmask, future = self._pending
-        self._pending = None
-        future.result()
-        return rows, bitmask
+        return self._executor.submit(_fill, grammars, bitmask)
 
 
-def _fill(grammars: list[StructuredOutputGrammar], bitmask: torch.Tensor) -> None:
+def _fill(grammars: list[StructuredOutputGrammar | None], bitmask: torch.Tensor) -> torch.Tensor:
     for row, grammar in enumerate(grammars):
-        grammar.fill_bitmask(bitmask, row)
+        if grammar is not None:
+            grammar.fill_bitmask(bitmask, row)
+    return bitmask

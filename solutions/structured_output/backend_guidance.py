@@ -21,6 +21,7 @@ import llguidance.torch
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from solutions.exceptions import ParameterError
 from solutions.sampling_params import StructuredOutputsParams
 
 
@@ -52,24 +53,34 @@ class GuidanceBackend:
         # Wrapping the tokenizer walks the whole vocabulary (a few hundred ms): once per engine.
         self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_token_id)
 
-    def compile_grammar(self, params: StructuredOutputsParams) -> str:
-        """The llguidance grammar of `params`, checked; ValueError naming the field if it is not valid."""
+    @staticmethod
+    def grammar_text(params: StructuredOutputsParams) -> str:
+        """The llguidance grammar of `params` (not yet checked against the vocabulary); ParameterError if the
+        constraint does not parse."""
         kind = params.kind
         try:
             if kind in ("json", "json_object"):
                 schema = {"type": "object"} if kind == "json_object" else params.json
                 schema = json.loads(schema) if isinstance(schema, str) else schema
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_FORMAT)
-            elif kind == "regex":
-                grammar = llguidance.LLMatcher.grammar_from_regex(params.regex)
-            else:
-                grammar = llguidance.LLMatcher.grammar_from_lark(params.grammar)
+                return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_FORMAT)
+            if kind == "regex":
+                return llguidance.LLMatcher.grammar_from_regex(params.regex)
+            return llguidance.LLMatcher.grammar_from_lark(params.grammar)
         except ValueError as error:  # json.JSONDecodeError is a ValueError too
-            raise ValueError(f"StructuredOutputsParams.{kind} is not valid: {error}") from error
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
+            raise ParameterError(f"StructuredOutputsParams.{kind} is not valid: {error}", "structured_outputs") from error
+
+    def validate_grammar(self, params: StructuredOutputsParams) -> None:
+        """The front end's check, before anything is queued: ParameterError naming the field if `params` is not
+        valid for this vocabulary (vLLM: `validate_guidance_grammar`)."""
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(self.grammar_text(params), self.ll_tokenizer)
         if is_error:
-            raise ValueError(f"StructuredOutputsParams.{kind} is not valid: {'; '.join(messages)}")
-        return grammar
+            raise ParameterError(
+                f"StructuredOutputsParams.{params.kind} is not valid: {'; '.join(messages)}", "structured_outputs"
+            )
+
+    def compile_grammar(self, params: StructuredOutputsParams) -> str:
+        """The engine core's side: the grammar a matcher is built from (validated by the front end already)."""
+        return self.grammar_text(params)
 
     def new_grammar(self, grammar: str) -> GuidanceGrammar:
         """A fresh matcher at the start of the output."""

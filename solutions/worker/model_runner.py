@@ -1,4 +1,4 @@
-"""Turn one scheduled step into one flat forward pass, and return the logits to sample from.
+"""Turn one scheduled step into one flat forward pass, then sample the step's tokens from its logits.
 
 The step's tokens — whole prompts, prompt chunks and single decode tokens alike — are concatenated into one
 flat batch of T tokens, with per-token metadata (position, cache slot) and per-sequence metadata (where its
@@ -12,7 +12,12 @@ copies the metadata it indexes with. On a GPU with the Triton backend, pure-deco
 (`solutions/worker/cuda_graph.py`) unless `enforce_eager`; on the CPU with the inductor backend, every step runs
 one compiled graph (`solutions/worker/compiled_forward.py`), compiled at start-up, unless `enforce_eager`.
 
-Where this lives in vLLM: `vllm/v1/worker/gpu_model_runner.py` (`_prepare_inputs`, `execute_model`).
+The runner samples too, as vLLM's does: `execute_model` keeps the logits of the rows that sample
+(`sampling_rows`), and `sample_tokens` masks them by the step's grammars, draws one token per sampling sequence
+with its own parameters and generator, and returns token ids — the engine core never touches logits.
+
+Where this lives in vLLM: `vllm/v1/worker/gpu_model_runner.py` (`_prepare_inputs`, `execute_model`,
+`sample_tokens`).
 """
 
 import time
@@ -21,9 +26,12 @@ import torch
 
 from solutions.attention.paged import AttentionMetadata, KVCache, copy_blocks
 from solutions.attention.torch_backend import TorchAttentionBackend
+from solutions.config import VllmConfig
 from solutions.core.block_manager import slot_mapping
-from solutions.core.sched.output import SchedulerOutput
+from solutions.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput, sampling_rows
 from solutions.model.llama import LlamaForCausalLM
+from solutions.sample.sampler import sample
+from solutions.structured_output.bitmask import apply_token_bitmask
 
 ATTENTION_BACKENDS = ("torch", "inductor", "triton")
 
@@ -72,6 +80,7 @@ class ModelRunner:
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
         self.model, self.block_size = model, block_size
+        self._pending: tuple[list[torch.Tensor], list, dict[str, float]] | None = None  # execute -> sample
         weight = model.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.kv_cache = KVCache.allocate(model.config, num_blocks, block_size, dtype=self.dtype, device=self.device)
@@ -97,13 +106,52 @@ class ModelRunner:
         else:
             self.backend_cls = TorchAttentionBackend
 
-    def execute_model(self, scheduler_output: SchedulerOutput, seconds: dict[str, float] | None = None) -> torch.Tensor:
-        """Apply the step's copy-on-write copies, write the new tokens' K/V, and return the logits (B, V) at each
-        scheduled sequence's last scheduled token (meaningless for a prompt chunk that is not the last).
+    @classmethod
+    def from_config(cls, model: LlamaForCausalLM, vllm_config: VllmConfig, **overrides: object) -> "ModelRunner":
+        model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
+        options = dict(
+            num_blocks=cache_config.num_kv_blocks, block_size=cache_config.block_size,
+            attention_backend=model_config.attention_backend, enforce_eager=model_config.enforce_eager,
+            max_num_seqs=vllm_config.scheduler_config.max_num_seqs, max_model_len=model_config.max_model_len,
+        )
+        return cls(model, **(options | overrides))
 
-        Changes no sequence (the scheduler advanced them when it scheduled the step). `seconds`, the engine's
-        ledger for this step, gets the time spent preparing the inputs ("prepare") and in the model ("forward").
+    def execute_model(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
+        """Apply the step's copy-on-write copies, write the new tokens' K/V, and return the logits (B, V) at each
+        scheduled sequence's last scheduled token (meaningless for a prompt chunk that is not the last); the rows
+        that sample are kept for `sample_tokens`.
+
+        Changes no sequence (the scheduler advanced them when it scheduled the step).
         """
+        seconds = {"prepare": 0.0, "forward": 0.0}
+        if not scheduler_output.scheduled_seqs:
+            self._pending = [], [], seconds
+            return torch.empty(0, self.model.config.vocab_size)  # (0, V)
+        logits = self.forward(scheduler_output, seconds)  # (B, V)
+        rows, seqs = sampling_rows(scheduler_output)
+        self._pending = logits[rows], seqs, seconds  # (N, V): rows may repeat (n > 1 forks share one)
+        return logits
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        """One token per sampling row of the last `execute_model`, within its grammar's mask if it has one."""
+        if self._pending is None:
+            raise RuntimeError("sample_tokens() needs an execute_model() first: there are no logits to sample from")
+        logits, seqs, seconds = self._pending
+        self._pending = None
+        start = time.perf_counter()
+        if grammar_output is not None:  # structured outputs: only what the grammars allow
+            logits = apply_token_bitmask(logits, grammar_output.bitmask())  # (N, V), the mask (N, W)
+        params = [seq.sampling_params for seq in seqs]
+        sampled = sample(logits, params, [seq.generator for seq in seqs])
+        seconds["sample"] = time.perf_counter() - start
+        return ModelRunnerOutput(
+            [seq.seq_id for seq in seqs], sampled.sampled_token_ids, sampled.logprobs, sampled.sampled_logprobs,
+            seconds,
+        )
+
+    def forward(self, scheduler_output: SchedulerOutput, seconds: dict[str, float] | None = None) -> torch.Tensor:
+        """The forward pass itself: the logits (B, V) at each scheduled sequence's last scheduled token. `seconds`
+        gets the time spent preparing the inputs ("prepare") and in the model ("forward")."""
         start = time.perf_counter()
         if scheduler_output.blocks_to_copy:
             copy_blocks(self.kv_cache, scheduler_output.blocks_to_copy)

@@ -1,13 +1,25 @@
-"""`SchedulerOutput`: what one engine step does, decided by the scheduler and consumed by the model runner.
+"""What one engine step sends down and what comes back up.
 
-Where this lives in vLLM: `vllm/v1/core/sched/output.py` (`SchedulerOutput`, `NewRequestData`,
-`CachedRequestData`). vLLM sends ids and deltas to a worker process; ours shares memory with the engine, so it
-carries the sequences themselves.
+    SchedulerOutput    the scheduler's decision: which sequences compute which tokens (to the model runner)
+    GrammarOutput      the token masks of the step's constrained samples, filled while the forward pass runs
+    ModelRunnerOutput  the runner's answer: one sampled token (and its logprobs) per sampling sequence
+    EngineCoreOutputs  the scheduler's answer to the front end, after `update_from_output`: per sample, its new
+                       tokens and whether it finished, and the step's `SchedulerStats`
+
+Where this lives in vLLM: `vllm/v1/core/sched/output.py` (`SchedulerOutput`, `GrammarOutput`),
+`vllm/v1/outputs.py` (`ModelRunnerOutput`) and `vllm/v1/engine/__init__.py` (`EngineCoreOutput(s)`). vLLM sends
+ids and deltas to a worker process; ours shares memory with the engine, so it carries the sequences themselves.
 """
 
+import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import torch
+
 from solutions.core.sequence import Sequence
+from solutions.metrics.stats import SchedulerStats
+from solutions.outputs import FinishReason
 
 
 @dataclass(slots=True)
@@ -40,6 +52,68 @@ class SchedulerOutput:
         if self.num_computed_tokens is None:
             self.num_computed_tokens = [seq.num_computed_tokens for seq in self.scheduled_seqs]
 
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens)
+
+def sampling_rows(scheduler_output: SchedulerOutput) -> tuple[list[int], list[Sequence]]:
+    """Which logits rows sample, and for whom: (row per sampling sequence, those sequences).
+
+    The model returns one row of logits per scheduled sequence, at its last scheduled token. Only a sequence whose
+    tokens are all computed once this step has run samples from it (the scheduler has already advanced
+    `num_computed_tokens`): a prompt chunk that is not the last predicts nothing anyone asked for, and must not
+    draw from its generator. So the rows are not simply the first ones: each sequence keeps its own row. The
+    samples the scheduler forked from a sequence this step (`n > 1`) sample from its row too.
+    """
+    rows: list[int] = []
+    seqs: list[Sequence] = []
+    for row, seq in enumerate(scheduler_output.scheduled_seqs):
+        if seq.num_computed_tokens < seq.num_tokens:
+            continue  # a prompt chunk that is not the last: nothing to sample yet
+        for sample_seq in [*scheduler_output.forked_seqs.get(seq.seq_id, []), seq]:  # n > 1: they share the row
+            rows.append(row)
+            seqs.append(sample_seq)
+    return rows, seqs
+
+
+@dataclass(slots=True)
+class GrammarOutput:
+    """The (N, W) token bitmask of the step's N sampling rows (`sampling_rows`' order; all ones for a sample
+    without a grammar), being filled on the structured output manager's thread while the forward pass runs."""
+
+    future: "Future[torch.Tensor]"
+
+    def bitmask(self) -> torch.Tensor:
+        return self.future.result()
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """One sampled token per sampling sequence, in `sampling_rows`' order, and where the runner's time went."""
+
+    seq_ids: list[int]
+    sampled_token_ids: list[int]
+    logprobs: list[list[tuple[int, float]] | None]  # per row: the top `logprobs` (token, logprob), or None
+    sampled_logprobs: list[tuple[float, int]]  # per row: the sampled token's (logprob, rank among all tokens)
+    seconds: dict[str, float] = field(default_factory=dict)  # "prepare", "forward", "sample"
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What one sample of a request got in one step: its new token, and its finish if it finished."""
+
+    request_id: str
+    index: int  # which of the request's n samples
+    new_token_ids: list[int]
+    new_logprobs: list[tuple[list[tuple[int, float]] | None, tuple[float, int]]] | None = None  # (top, sampled)
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None  # the stop token id that ended it
+    num_cached_tokens: int | None = None  # set in the step the request's prompt was looked up in the prefix cache
+
+
+@dataclass(slots=True)
+class EngineCoreOutputs:
+    """One message from the engine core: a step's outputs and stats, or a refusal, or a stats report between
+    steps (no outputs)."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    errors: dict[str, str] = field(default_factory=dict)  # request id -> why the core refused to add it
+    timestamp: float = field(default_factory=time.monotonic)  # when it was put on the queue (one clock per host)

@@ -21,18 +21,47 @@ advances every scheduled sequence's `num_computed_tokens` past its scheduled tok
 completes: they share its blocks and sample from its logits row. So the batch and the running set never change
 after `schedule()` returns, and `max_num_seqs` counts those samples from the moment their request is admitted.
 
+After the forward pass, `update_from_output` takes the runner's sampled tokens back: it appends each to its
+sequence, advances its grammar, checks the stop conditions, frees what finished, and answers the front end with
+one `EngineCoreOutput` per sample and the step's `SchedulerStats`.
+
 The module is split so that each idea can be read (and, in chapter 5, written) on its own: `SchedulerBase`
-holds the queues and the bookkeeping (`_preempt_request` among it), `allocate_or_preempt` is the decision to
-preempt, and `Scheduler` adds the one method that decides a step, `schedule`.
+holds the queues and the bookkeeping (`_preempt_request` and `update_from_output` among it),
+`allocate_or_preempt` is the decision to preempt, and `Scheduler` adds the one method that decides a step,
+`schedule`.
 
 Where this lives in vLLM: `vllm/v1/core/sched/scheduler.py` (`Scheduler.schedule`, whose loop around
-`allocate_slots` is our `allocate_or_preempt`, and `_preempt_request`).
+`allocate_slots` is our `allocate_or_preempt`, `_preempt_request`, `update_from_output`, `get_grammar_bitmask`).
 """
 
+import importlib
+import time
+from typing import Self
+
+import torch
+
+from solutions.config import VllmConfig
 from solutions.core.kv_cache_manager import KVCacheManager
-from solutions.core.sched.output import SchedulerOutput
+from solutions.core.sched.output import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    GrammarOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    sampling_rows,
+)
 from solutions.core.sched.request_queue import SchedulingPolicy, create_request_queue
+from solutions.core.sched.stop import check_stop
 from solutions.core.sequence import Sequence, SequenceStatus
+from solutions.metrics.stats import SchedulerStats
+from solutions.outputs import FinishReason
+from solutions.structured_output import StructuredOutputManager
+
+FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: FinishReason.STOP,
+    SequenceStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    SequenceStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
 
 
 class SchedulerBase:
@@ -51,18 +80,57 @@ class SchedulerBase:
         max_num_batched_tokens: int,
         long_prefill_token_threshold: int,
         policy: SchedulingPolicy = SchedulingPolicy.FCFS,
+        max_model_len: int | None = None,
+        eos_token_id: int | None = None,
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs  # at most this many sequences running at once
         self.max_num_batched_tokens = max_num_batched_tokens  # the token budget of one step
         self.long_prefill_token_threshold = long_prefill_token_threshold  # at most this many tokens per sequence per step
         self.policy = policy
+        self.max_model_len, self.eos_token_id = max_model_len, eos_token_id  # for the stop checks
+        self.structured_output_manager = structured_output_manager
         self.waiting = create_request_queue(policy)
         self.running: list[Sequence] = []  # in the order they started running
+        self.requests: dict[str, list[Sequence]] = {}  # request id -> its samples' sequences, until all finish
         self.num_preemptions = 0  # over the scheduler's life
+        self._reported_queries = self._reported_hits = 0  # prefix-cache lookups already in a SchedulerStats
+
+    @classmethod
+    def from_config(cls, vllm_config: VllmConfig, structured_output_manager: StructuredOutputManager) -> Self:
+        """The scheduler of an engine, with the KV cache manager its config names."""
+        cache, sched = vllm_config.cache_config, vllm_config.scheduler_config
+        module_name, _, class_name = cache.kv_cache_manager_cls.rpartition(".")
+        manager_cls = getattr(importlib.import_module(module_name), class_name)
+        manager = manager_cls(
+            cache.num_kv_blocks, cache.block_size, cache.enable_prefix_caching, **cache.kv_cache_manager_kwargs
+        )
+        return cls(
+            manager, max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
+            long_prefill_token_threshold=sched.long_prefill_token_threshold, policy=sched.policy,
+            max_model_len=sched.max_model_len, eos_token_id=vllm_config.model_config.eos_token_id,
+            structured_output_manager=structured_output_manager,
+        )
 
     def add_seq(self, seq: Sequence) -> None:
         self.waiting.add(seq)
+
+    def add_request(self, seq: Sequence) -> None:
+        """Queue the first sequence of an engine request (its other samples are forked from it later)."""
+        self.requests[seq.request_id] = [seq]
+        self.add_seq(seq)
+
+    def finish_requests(self, request_ids: list[str], status: SequenceStatus) -> None:
+        """Finish every unfinished sample of these requests (unknown or finished ids are ignored: an abort may
+        cross the request's last output) and forget them."""
+        for request_id in request_ids:
+            for seq in self.requests.pop(request_id, []):
+                if not seq.is_finished:
+                    self.finish(seq, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
 
     def add_running(self, seq: Sequence) -> None:
         """Start `seq` running as it is (its blocks and computed tokens already set up): a forked sample, or a
@@ -74,9 +142,6 @@ class SchedulerBase:
         """Is there room in the running set for waiting `seq` and the samples it will fork?"""
         seats = sum(1 + len(s.fork_seq_ids) for s in self.running)
         return seats + 1 + len(seq.fork_seq_ids) <= self.max_num_seqs
-
-    def has_unfinished_seqs(self) -> bool:
-        return bool(self.waiting) or bool(self.running)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Take a finished or aborted sequence out of the queues and free its blocks, whatever its state."""
@@ -156,10 +221,86 @@ class SchedulerBase:
                 seq.fork_seq_ids = []
 
     def _fork(self, parent: Sequence, child_id: int) -> Sequence:
+        """Sample `len(samples)` of the parent's request: its blocks shared, its own generator and grammar."""
         child = parent.fork(child_id)
+        if parent.request_id in self.requests:  # an engine request (not a hand-made sequence of a chapter)
+            samples = self.requests[parent.request_id]
+            child.sample_index = len(samples)
+            child.seed = parent.seed + child.sample_index
+            child.generator = torch.Generator().manual_seed(child.seed)
+            constraint = parent.sampling_params.structured_outputs
+            if constraint is not None:
+                (child.grammar,) = self.structured_output_manager.grammar_init(constraint, 1)
+            samples.append(child)
         self.kv_cache_manager.fork(parent, child)
         self.add_running(child)
         return child
+
+    # --- after the forward pass ----------------------------------------------------------------------------------
+
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        """Start filling the token masks of the step's sampling rows (None when none has a grammar): on the
+        structured output manager's thread, so the fill overlaps the forward pass."""
+        grammars = [seq.grammar for seq in sampling_rows(scheduler_output)[1]]
+        if all(grammar is None for grammar in grammars):
+            return None
+        return GrammarOutput(self.structured_output_manager.submit_bitmask(grammars))
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput, schedule_seconds: float = 0.0
+    ) -> EngineCoreOutputs:
+        """Append each sampled token to its sequence, advance its grammar, check its stops, free the finished; the
+        step's outputs, one per sampling sequence, and its stats."""
+        start = time.perf_counter()
+        seqs = {seq.seq_id: seq for seq in scheduler_output.scheduled_seqs}
+        seqs.update((child.seq_id, child) for samples in scheduler_output.forked_seqs.values() for child in samples)
+        num_cached = {
+            seqs[seq_id].request_id: scheduler_output.num_cached_tokens.get(seq_id, 0)
+            for seq_id in scheduler_output.new_seq_ids if seq_id in seqs
+        }
+        outputs = []
+        for b, seq_id in enumerate(model_output.seq_ids):
+            seq, token_id = seqs[seq_id], model_output.sampled_token_ids[b]
+            seq.append_token(token_id)
+            if seq.grammar is not None and not seq.grammar.accept_tokens([token_id]):
+                raise RuntimeError(f"sequence {seq.seq_id} sampled token {token_id}, which its grammar's mask forbids")
+            stopped = check_stop(seq, self.eos_token_id, self.max_model_len)
+            finish_reason, stop_reason = None, None
+            if stopped is not None:
+                status, stop_reason = stopped
+                self.finish(seq, status)
+                finish_reason = FINISH_REASONS[status]
+                samples = self.requests[seq.request_id]
+                if len(samples) == seq.sampling_params.n and all(s.is_finished for s in samples):
+                    del self.requests[seq.request_id]  # every sample is done
+            logprobs = None if seq.sampling_params.logprobs is None else [
+                (model_output.logprobs[b], model_output.sampled_logprobs[b])
+            ]
+            outputs.append(EngineCoreOutput(
+                seq.request_id, seq.sample_index, [token_id], logprobs, finish_reason, stop_reason,
+                num_cached.pop(seq.request_id, None) if seq.sample_index == 0 else None,
+            ))
+        outputs += [EngineCoreOutput(request_id, 0, [], num_cached_tokens=n) for request_id, n in num_cached.items()]
+        seconds = {"schedule": schedule_seconds, **model_output.seconds, "postprocess": time.perf_counter() - start}
+        return EngineCoreOutputs(outputs, self.make_stats(scheduler_output, seconds))
+
+    def make_stats(self, scheduler_output: SchedulerOutput | None = None, seconds: dict | None = None) -> SchedulerStats:
+        """The scheduler's state now, what the step did (if one ran), and the prefix-cache lookups since the last
+        report."""
+        cache_stats, manager = self.kv_cache_manager.prefix_cache_stats, self.kv_cache_manager
+        queries, hits = cache_stats.queries - self._reported_queries, cache_stats.hits - self._reported_hits
+        self._reported_queries, self._reported_hits = cache_stats.queries, cache_stats.hits
+        stats = SchedulerStats(
+            len(self.running), len(self.waiting), manager.num_used_blocks, manager.num_used_blocks / manager.num_blocks,
+            queries, hits, seconds=seconds or {},
+        )
+        if scheduler_output is not None:
+            stats.num_preemptions = len(scheduler_output.preempted_seq_ids)
+            stats.num_scheduled_seqs = len(scheduler_output.scheduled_seqs)
+            stats.num_prefill_tokens = scheduler_output.num_prefill_tokens
+            stats.num_decode_tokens = scheduler_output.num_decode_tokens
+            stats.num_cached_tokens = sum(scheduler_output.num_cached_tokens.values())
+        return stats
 
 
 def advance_computed_tokens(out: SchedulerOutput) -> None:

@@ -36,8 +36,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
+from solutions.engine.arg_utils import AsyncEngineArgs, engine_args_from_kwargs
 from solutions.engine.async_llm import AsyncLLM, EngineDeadError
-from solutions.entrypoints.openai.cli_args import engine_argv
 from solutions.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -127,11 +127,10 @@ def build_app(engine: AsyncLLM) -> FastAPI:
 
 
 def run_server(
-    model: str = DEFAULT_MODEL, *, host: str = "127.0.0.1", port: int = 8000, engine_core: str = "process",
-    log_level: str = "info", **llm_kwargs: Any,
+    engine_args: AsyncEngineArgs, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"
 ) -> None:
     """Serve until SIGINT or SIGTERM (uvicorn finishes the open requests), then shut the engine core down."""
-    with AsyncLLM(model, engine_core=engine_core, **llm_kwargs) as engine:
+    with AsyncLLM.from_engine_args(engine_args) as engine:
         uvicorn.run(build_app(engine), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 
 
@@ -179,21 +178,17 @@ def serve_in_background(
     By default uvicorn runs in a thread of this process, with its own event loop (the engine core in its own
     process, or a thread: `engine_core`). `in_subprocess=True` runs `python -m solutions.serve` instead, so
     the server's event loop does not share this process's interpreter lock with the clients — what a load
-    benchmark wants. `llm_kwargs` are `LLM`'s keywords.
+    benchmark wants. `llm_kwargs` are the engine's options (`EngineArgs` fields).
     """
-    if in_subprocess:
-        with _serve_in_subprocess(model, host, engine_core, startup_timeout, llm_kwargs) as server:
-            yield server
-    else:
-        with _serve_in_thread(model, host, engine_core, startup_timeout, llm_kwargs) as server:
-            yield server
+    engine_args = engine_args_from_kwargs(AsyncEngineArgs, dict(llm_kwargs, model=model, engine_core=engine_core))
+    serve = _serve_in_subprocess if in_subprocess else _serve_in_thread
+    with serve(engine_args, host, startup_timeout) as server:
+        yield server
 
 
 @contextlib.contextmanager
-def _serve_in_thread(
-    model: str, host: str, engine_core: str, startup_timeout: float, llm_kwargs: dict[str, Any]
-) -> Iterator[BackgroundServer]:
-    with AsyncLLM(model, engine_core=engine_core, **llm_kwargs) as engine:
+def _serve_in_thread(engine_args: AsyncEngineArgs, host: str, startup_timeout: float) -> Iterator[BackgroundServer]:
+    with AsyncLLM.from_engine_args(engine_args) as engine:
         sock = _free_socket(host)
         config = uvicorn.Config(build_app(engine), log_level="warning", timeout_graceful_shutdown=5)
         server = uvicorn.Server(config)
@@ -219,12 +214,12 @@ def _serve_in_thread(
 
 @contextlib.contextmanager
 def _serve_in_subprocess(
-    model: str, host: str, engine_core: str, startup_timeout: float, llm_kwargs: dict[str, Any]
+    engine_args: AsyncEngineArgs, host: str, startup_timeout: float
 ) -> Iterator[BackgroundServer]:
     with _free_socket(host) as sock:  # a port free now; released just before the server binds it
         port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "solutions.serve", "--model", model, "--host", host, "--port", str(port),
-               "--engine-core", engine_core, "--log-level", "warning", *engine_argv(llm_kwargs)]
+    command = [sys.executable, "-m", "solutions.serve", "--host", host, "--port", str(port), "--log-level", "warning",
+               *engine_args.to_cli_args()]
     process = subprocess.Popen(command, env=dict(os.environ, HF_HUB_OFFLINE="1"))
 
     def stop() -> None:

@@ -17,13 +17,13 @@ naming the request's field (`max_completion_tokens` rather than `SamplingParams.
 Where this lives in vLLM: `vllm/entrypoints/openai/protocol.py`.
 """
 
-import re
 import time
 from http import HTTPStatus
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from solutions.exceptions import ParameterError
 from solutions.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
@@ -33,12 +33,6 @@ class RequestError(ValueError):
     def __init__(self, message: str, param: str | None = None, status: HTTPStatus = HTTPStatus.BAD_REQUEST) -> None:
         super().__init__(message)
         self.param, self.status = param, status
-
-
-def field_named_in(message: str, fields: list[str]) -> str | None:
-    """The field that `message` names first, as a whole word (`stop` is not found inside `stop_token_ids`)."""
-    hits = [(m.start(), name) for name in fields if (m := re.search(rf"\b{re.escape(name)}\b", message))]
-    return min(hits)[1] if hits else None
 
 
 # ---- requests ----
@@ -108,6 +102,8 @@ class SamplingFields(OpenAIRequest):
 
     def request_field(self, sampling_field: str) -> str:
         """The request field a `SamplingParams` field comes from (chat: `max_completion_tokens`, `top_logprobs`)."""
+        if sampling_field == "structured_outputs":
+            return self.structured_output_field or sampling_field
         return sampling_field
 
     @property
@@ -171,13 +167,10 @@ class SamplingFields(OpenAIRequest):
                 output_kind=RequestOutputKind.DELTA,
                 structured_outputs=structured_outputs,
             )
-        except ValueError as error:
-            # SamplingParams names its field first: "SamplingParams.top_p must be in (0, 1], got 2".
-            named = re.match(r"SamplingParams\.(\w+)", str(error))
-            if named is None:
-                raise RequestError(str(error)) from error
-            param = self.request_field(named.group(1))
-            raise RequestError(str(error).replace(named.group(0), param, 1), param=param) from error
+        except ParameterError as error:  # its field, under this request's name for it
+            param = self.request_field(error.parameter)
+            message = str(error).replace(f"SamplingParams.{error.parameter}", param, 1)
+            raise RequestError(message, param=param) from error
 
     @property
     def include_usage(self) -> bool:
@@ -244,7 +237,7 @@ class ChatCompletionRequest(SamplingFields):
     def request_field(self, sampling_field: str) -> str:
         if sampling_field == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
-        return {"logprobs": "top_logprobs"}.get(sampling_field, sampling_field)
+        return {"logprobs": "top_logprobs"}.get(sampling_field) or super().request_field(sampling_field)
 
     def _requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

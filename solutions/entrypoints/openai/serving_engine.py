@@ -33,13 +33,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from solutions.engine.async_llm import AsyncLLM, EngineDeadError, merge_delta
+from solutions.exceptions import ParameterError
 from solutions.entrypoints.openai.protocol import (
     ErrorInfo,
     ErrorResponse,
     RequestError,
     SamplingFields,
     UsageInfo,
-    field_named_in,
 )
 from solutions.outputs import CompletionOutput, Logprob, RequestOutput
 from solutions.sampling_params import SamplingParams
@@ -195,16 +195,12 @@ class OpenAIServing(ABC):
             token_ids = self.tokenizer.encode(prompt)
         else:
             token_ids = prompt
-        if len(token_ids) >= self.max_model_len:
-            raise RequestError(
-                f"{self.prompt_field} has {len(token_ids)} tokens; it must be shorter than "
-                f"max_model_len={self.max_model_len}, to leave room for at least one generated token",
-                param=self.prompt_field,
-            )
         return token_ids
 
     def sampling_params(self, request: SamplingFields, prompt_token_ids: list[int]) -> SamplingParams:
-        return request.to_sampling_params(default_max_tokens=self.max_model_len - len(prompt_token_ids))
+        """The request's sampling parameters; an absent max_tokens fills the context (the processor refuses a
+        prompt that leaves no room)."""
+        return request.to_sampling_params(default_max_tokens=max(1, self.max_model_len - len(prompt_token_ids)))
 
     async def outputs(
         self, request: SamplingFields, prompt_token_ids: list[int], params: SamplingParams, request_id: str
@@ -215,16 +211,12 @@ class OpenAIServing(ABC):
         try:
             async for output in generator:
                 yield output
-        except ValueError as error:
-            # The engine's messages name its own fields ("prompt_token_ids of request ... must lie in [0, 49152)",
-            # "... could need 40 KV blocks ...; lower max_tokens"): map them onto this request's.
-            fields = {"prompt": self.prompt_field, "prompt_token_ids": self.prompt_field, "stop": "stop", "n": "n",
-                      "max_tokens": request.request_field("max_tokens"),
-                      "StructuredOutputsParams": request.structured_output_field}  # a schema that does not compile
-            named = field_named_in(str(error), list(fields))
-            param = None if named is None else fields[named]
-            message = f"{param}: {error}" if named == "StructuredOutputsParams" else str(error)
+        except ParameterError as error:  # the engine's field, mapped onto this request's
+            param = self.prompt_field if error.parameter == "prompt" else request.request_field(error.parameter)
+            message = f"{param}: {error}" if error.parameter == "structured_outputs" else str(error)
             raise RequestError(message, param=param) from error
+        except ValueError as error:  # the engine core refused it (a safety net: the processor checks first)
+            raise RequestError(str(error)) from error
         finally:
             await generator.aclose()
 

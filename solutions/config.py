@@ -1,0 +1,99 @@
+"""The engine's configuration: one object, built once by `EngineArgs.create_engine_config()`, handed to every layer.
+
+Every option has been checked and resolved by the time a `VllmConfig` exists (the device and dtype, the context
+limit, the KV cache's size in blocks, the per-step prefill cap), so no layer below re-reads a keyword or repeats
+a check. The parts follow vLLM's split, so each layer takes the parts it needs:
+
+    model_config      which checkpoint, its architecture (`hf_config`), dtype, context limit, seed, who attends
+    cache_config      the KV cache: block size, how many blocks, prefix caching, which KV cache manager
+    scheduler_config  one step's limits: sequences, tokens, prefill chunk; FCFS or priority
+    parallel_config   tensor parallelism: how many ranks, who starts them
+    device_config     where the weights, the cache and the activations live
+
+The config is plain data and pickles, so the engine core's process and tensor-parallel workers build themselves
+from the same object.
+
+Where this lives in vLLM: `vllm/config/` (`VllmConfig`, `ModelConfig`, `CacheConfig`, `SchedulerConfig`,
+`ParallelConfig`, `DeviceConfig`).
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from solutions.core.sched.request_queue import SchedulingPolicy
+from solutions.model import config as hf
+
+PAGED_KV_CACHE_MANAGER = "solutions.core.kv_cache_manager.KVCacheManager"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model and how it runs. `hf_config` is the checkpoint's architecture (`solutions/model/config.py`)."""
+
+    model: str  # "smollm2-135m" or a local checkpoint folder
+    hf_config: hf.ModelConfig
+    dtype: torch.dtype
+    max_model_len: int  # prompt + output tokens of one sequence, at most
+    seed: int  # unseeded requests draw from generators seeded by this and their arrival
+    attention_backend: str  # "torch", "inductor" (the CPU's fast path) or "triton" (chapter 6's kernels)
+    enforce_eager: bool  # no compiled forward pass, no CUDA graphs
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.hf_config.eos_token_id
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache. `kv_cache_manager_cls` names the manager by its qualified name, as vLLM names its
+    worker class: the paged one, or chapter 2's reserving baseline with `kv_reservation` set."""
+
+    block_size: int  # tokens per KV block
+    num_kv_blocks: int  # blocks in the pool (resolved from the memory budget when not given)
+    enable_prefix_caching: bool
+    kv_reservation: str | None = None  # None: paged; "max" / "pow2" / "oracle": Orca's whole-length admission
+    kv_cache_manager_cls: str = PAGED_KV_CACHE_MANAGER
+    kv_cache_manager_kwargs: dict[str, Any] = field(default_factory=dict)  # beyond (blocks, block size, caching)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The limits of one step and the admission order."""
+
+    max_num_seqs: int  # sequences running at once, the samples of an n > 1 request included
+    max_num_batched_tokens: int  # the token budget of one step
+    max_model_len: int
+    long_prefill_token_threshold: int  # at most this many tokens of one sequence per step (chunked prefill)
+    policy: SchedulingPolicy
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: `tensor_parallel_size` ranks, started by this process ("mp", with
+    `worker_multiproc_method`) or by torchrun ("external_launcher")."""
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
+    worker_multiproc_method: str = "spawn"
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: torch.device  # on GPUs under tensor parallelism, this rank's own (cuda:rank)
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    """Everything the engine was asked for, checked and resolved."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device_config: DeviceConfig

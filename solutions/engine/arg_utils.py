@@ -1,0 +1,272 @@
+"""`EngineArgs`: every engine option, declared once — its default, its check, its help, its command-line flag.
+
+    args = EngineArgs(model="smollm2-135m", block_size=16)      # a bad value: ValueError naming the field
+    config = args.create_engine_config()                         # resolved: device, dtype, max_model_len, blocks
+
+`LLM(**kwargs)` is `EngineArgs(**kwargs)`; the server's and `python -m solutions`' flags are `add_cli_args`, read
+back by `from_cli_args`. Checks that need nothing but the values run when the object is made (so a typo fails
+before a model loads); `create_engine_config()` then resolves what depends on the machine and the checkpoint.
+
+Where this lives in vLLM: `vllm/engine/arg_utils.py` (`EngineArgs`, `AsyncEngineArgs`, `add_cli_args`,
+`from_cli_args`, `create_engine_config`).
+"""
+
+import argparse
+import dataclasses
+import os
+import types
+from dataclasses import dataclass, field
+from typing import Any, Self
+
+import torch
+
+from solutions.config import (
+    CacheConfig,
+    DeviceConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from solutions.core.block_manager import cdiv
+from solutions.core.sched.request_queue import SchedulingPolicy
+from solutions.exceptions import ParameterError
+from solutions.model.config import ModelConfig as HFConfig
+from solutions.model.loader import DEFAULT_MODEL, resolve_model
+
+ATTENTION_BACKENDS = ("torch", "inductor", "triton")
+SCHEDULING_POLICIES = tuple(policy.value for policy in SchedulingPolicy)
+DEVICES = ("cpu", "cuda")
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "external_launcher")  # workers this process starts; every rank by torchrun
+WORKER_MULTIPROC_METHODS = ("spawn", "fork")
+KV_RESERVATIONS = ("max", "pow2", "oracle")  # chapter 2's Orca baselines (the paper's Max, Pow2, Oracle)
+RESERVING_KV_CACHE_MANAGER = "solutions.baselines.reserving_kv_cache_manager.ReservingKVCacheManager"
+ENGINE_CORE_KINDS = ("process", "thread")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# CPU matmuls in float16 are emulated (several times slower than float32 here); bfloat16 runs natively.
+CPU_DTYPES = ("float32", "bfloat16")
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass
+class EngineArgs:
+    """The engine's options. `num_kv_blocks=None` sizes the paged KV cache so that `max_num_seqs` sequences of
+    `max_model_len` tokens all fit, within `kv_cache_memory_bytes` (vLLM's option of that name; its default takes
+    a fraction of the GPU's free memory instead). `long_prefill_token_threshold=None` lets one prompt take a step's
+    whole token budget. `attention_backend`: "torch" (chapters 3 and 5, eager PyTorch), "inductor" (the CPU's fast
+    path: decode attention reading the paged cache in place, the forward pass compiled at start-up) or "triton"
+    (chapter 6's kernels; on a GPU, pure-decode steps replay CUDA graphs). `kv_reservation` turns the engine into
+    chapter 2's Orca baselines (each request admitted with blocks for its whole reserved length).
+    `tensor_parallel_size=N` splits the model over N processes (chapter 9), started by this one or by torchrun."""
+
+    model: str = field(default=DEFAULT_MODEL, metadata=_help(f"{DEFAULT_MODEL} or a local Hugging Face folder"))
+    block_size: int = field(default=16, metadata=_help("tokens per KV block"))
+    num_kv_blocks: int | None = field(default=None, metadata=_help("KV blocks in the pool (default: sized)"))
+    kv_cache_memory_bytes: int = field(default=2**30, metadata=_help("the KV cache's budget when sized"))
+    max_num_seqs: int = field(default=64, metadata=_help("sequences running at once"))
+    max_num_batched_tokens: int = field(default=2048, metadata=_help("the token budget of one step"))
+    max_model_len: int | None = field(default=None, metadata=_help("context limit (default: the model's, <= 2048)"))
+    long_prefill_token_threshold: int | None = field(default=None, metadata=_help("prefill chunk cap per sequence"))
+    enable_prefix_caching: bool = field(default=True, metadata=_help("reuse cached blocks of equal prefixes"))
+    scheduling_policy: str = field(default="fcfs", metadata=_help(f"one of {SCHEDULING_POLICIES}"))
+    attention_backend: str = field(default="torch", metadata=_help(f"one of {ATTENTION_BACKENDS}"))
+    seed: int = field(default=0, metadata=_help("seeds the generators of unseeded requests"))
+    device: str = field(default="cpu", metadata=_help(f"one of {DEVICES}"))
+    dtype: str = field(default="float32", metadata=_help(f"one of {tuple(DTYPES)} (the CPU: {CPU_DTYPES})"))
+    enforce_eager: bool = field(default=False, metadata=_help("no compiled forward pass, no CUDA graphs"))
+    kv_reservation: str | None = field(default=None, metadata=_help(f"Orca's baselines: one of {KV_RESERVATIONS}"))
+    tensor_parallel_size: int = field(default=1, metadata=_help("ranks the model is split over"))
+    distributed_executor_backend: str = field(default="mp", metadata=_help(f"one of {DISTRIBUTED_EXECUTOR_BACKENDS}"))
+    worker_multiproc_method: str = field(default="spawn", metadata=_help(f"one of {WORKER_MULTIPROC_METHODS}"))
+
+    def __post_init__(self) -> None:
+        """The checks that need nothing but the values: ParameterError (a ValueError) naming the field."""
+        if isinstance(self.dtype, torch.dtype):  # accepted as in vLLM: torch.bfloat16 for "bfloat16"
+            self.dtype = {v: k for k, v in DTYPES.items()}.get(self.dtype, str(self.dtype))
+        for name, allowed in (
+            ("scheduling_policy", SCHEDULING_POLICIES), ("attention_backend", ATTENTION_BACKENDS), ("device", DEVICES),
+            ("dtype", tuple(DTYPES)), ("distributed_executor_backend", DISTRIBUTED_EXECUTOR_BACKENDS),
+            ("worker_multiproc_method", WORKER_MULTIPROC_METHODS),
+        ):
+            _one_of(name, getattr(self, name), allowed)
+        if self.kv_reservation is not None:
+            _one_of("kv_reservation", self.kv_reservation, KV_RESERVATIONS, "or None")
+        for name in ("enable_prefix_caching", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ParameterError(f"{name} must be True or False, got {getattr(self, name)!r}", name)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ParameterError(f"seed must be an int, got {self.seed!r}", "seed")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
+                     "tensor_parallel_size"):
+            _positive_int(name, getattr(self, name))
+        for name in ("num_kv_blocks", "max_model_len", "long_prefill_token_threshold"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        if self.tensor_parallel_size > 1 and self.attention_backend == "inductor":
+            raise ParameterError(
+                f"tensor_parallel_size={self.tensor_parallel_size} runs with attention_backend 'torch' or 'triton'; "
+                "the inductor fast path compiles one process's whole model, got attention_backend='inductor'",
+                "tensor_parallel_size",
+            )
+        if self.dtype not in CPU_DTYPES and self.device == "cpu":
+            raise ParameterError(
+                f"dtype={self.dtype!r} is not supported on device='cpu'; on the CPU dtype must be one of {CPU_DTYPES}",
+                "dtype",
+            )
+        if self.attention_backend == "inductor" and self.device != "cpu":
+            raise ParameterError(
+                "attention_backend='inductor' is the CPU's fast path (device='cpu'); on a GPU use "
+                "attention_backend='triton'", "attention_backend",
+            )
+
+    # --- resolution ----------------------------------------------------------------------------------------------
+
+    def create_engine_config(self) -> VllmConfig:
+        """Resolve what depends on the machine and the checkpoint (reads its config.json, not its weights)."""
+        device = self._resolve_device()
+        hf_config = HFConfig.from_folder(resolve_model(self.model))
+        limit = hf_config.max_position_embeddings
+        max_model_len = min(limit, 2048) if self.max_model_len is None else self.max_model_len
+        if max_model_len > limit:
+            raise ParameterError(
+                f"max_model_len must be at most the model's max_position_embeddings={limit}, got {max_model_len}",
+                "max_model_len",
+            )
+        dtype = DTYPES[self.dtype]
+        num_kv_blocks = self.num_kv_blocks
+        if num_kv_blocks is None:
+            from solutions.attention.paged import KVCache
+
+            bytes_per_block = KVCache.bytes_per_block(hf_config, self.block_size, dtype)
+            wanted = self.max_num_seqs * cdiv(max_model_len, self.block_size)
+            num_kv_blocks = max(1, min(wanted, self.kv_cache_memory_bytes // bytes_per_block))
+        reserving = self.kv_reservation is not None
+        return VllmConfig(
+            model_config=ModelConfig(
+                self.model, hf_config, dtype, max_model_len, self.seed, self.attention_backend, self.enforce_eager
+            ),
+            cache_config=CacheConfig(
+                self.block_size, num_kv_blocks, self.enable_prefix_caching, self.kv_reservation,
+                RESERVING_KV_CACHE_MANAGER if reserving else CacheConfig.kv_cache_manager_cls,
+                dict(kv_reservation=self.kv_reservation, max_model_len=max_model_len) if reserving else {},
+            ),
+            scheduler_config=SchedulerConfig(
+                self.max_num_seqs, self.max_num_batched_tokens, max_model_len,
+                self.long_prefill_token_threshold or self.max_num_batched_tokens,
+                SchedulingPolicy(self.scheduling_policy),
+            ),
+            parallel_config=ParallelConfig(
+                self.tensor_parallel_size, self.distributed_executor_backend, self.worker_multiproc_method
+            ),
+            device_config=DeviceConfig(device),
+        )
+
+    def _resolve_device(self) -> torch.device:
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ParameterError(
+                "device='cuda' but PyTorch sees no CUDA GPU (torch.cuda.is_available() is False; the pinned torch is "
+                "the CPU build: install the CUDA build of the same version), or use device='cpu'", "device",
+            )
+        if self.attention_backend == "triton" and self.device == "cpu":
+            import kernels
+
+            if not kernels.interpreted():
+                raise ParameterError(
+                    "attention_backend='triton' with device='cpu' needs Triton's interpreter, which is off here: a GPU "
+                    "is present, so the kernels compile for it. Use device='cuda', or attention_backend='torch'",
+                    "attention_backend",
+                )
+        tp = self.tensor_parallel_size
+        if tp == 1 or self.device != "cuda":
+            return torch.device(self.device)
+        # Tensor parallelism on GPUs: one per rank on this node, and workers that start fresh (no CUDA after fork).
+        if self.worker_multiproc_method == "fork":
+            raise ParameterError(
+                "worker_multiproc_method='fork' cannot start GPU workers (CUDA does not survive a fork): use 'spawn' "
+                "with device='cuda'", "worker_multiproc_method",
+            )
+        if self.distributed_executor_backend == "mp" and torch.cuda.device_count() < tp:
+            raise ParameterError(
+                f"tensor_parallel_size={tp} needs {tp} GPUs on this machine, one per rank; "
+                f"{torch.cuda.device_count()} are visible", "tensor_parallel_size",
+            )
+        # rank r on cuda:r (under torchrun, this node's LOCAL_RANK); NCCL joins them.
+        launched = self.distributed_executor_backend == "external_launcher"
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) if launched else 0)
+
+    # --- the command line ----------------------------------------------------------------------------------------
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """One flag per field (`max_num_seqs` → `--max-num-seqs`; a bool → `--x / --no-x`), with its default."""
+        group = parser.add_argument_group("engine", f"{cls.__name__}'s options (solutions/engine/arg_utils.py)")
+        for f in dataclasses.fields(cls):
+            kind = _value_type(f.type)
+            help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
+            if kind is bool:
+                group.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=f.default,
+                                   help=help_text)
+            else:
+                group.add_argument(_flag(f.name), type=kind, default=f.default, help=help_text)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> Self:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    def to_cli_args(self) -> list[str]:
+        """The flags that give back these options (for starting a server in a subprocess); defaults left out."""
+        argv = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value == f.default:
+                continue
+            if isinstance(value, bool):
+                argv.append(_flag(f.name) if value else "--no-" + _flag(f.name)[2:])
+            elif value is not None:
+                argv += [_flag(f.name), str(value)]
+        return argv
+
+
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """`EngineArgs` for a server: also where the engine core runs, its own process or a thread of the server's."""
+
+    engine_core: str = field(default="process", metadata=_help(f"one of {ENGINE_CORE_KINDS}"))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _one_of("engine_core", self.engine_core, ENGINE_CORE_KINDS)
+
+
+def engine_args_from_kwargs(cls: type[EngineArgs], kwargs: dict[str, Any]) -> EngineArgs:
+    """`cls(**kwargs)`, with an unknown keyword a ParameterError naming it (not a TypeError)."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    if unknown := sorted(set(kwargs) - known):
+        raise ParameterError(f"unknown engine options {unknown}; the engine takes {sorted(known)}", unknown[0])
+    return cls(**kwargs)
+
+
+def _one_of(name: str, value: object, allowed: tuple, extra: str = "") -> None:
+    if value not in allowed:
+        raise ParameterError(f"{name} must be one of {allowed}{' ' + extra if extra else ''}, got {value!r}", name)
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ParameterError(f"{name} must be a positive int, got {value!r}", name)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _value_type(annotation: Any) -> type:
+    """`int` for `int` and for `int | None`."""
+    if isinstance(annotation, types.UnionType):
+        (kind,) = [arg for arg in annotation.__args__ if arg is not type(None)]
+        return kind
+    return annotation

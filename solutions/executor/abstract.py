@@ -1,0 +1,58 @@
+"""The executor: the engine core's one handle on the workers that run the model, however many there are.
+
+    model_executor = Executor.get_class(vllm_config)(vllm_config)
+    model_executor.execute_model(scheduler_output)        # every rank: the forward pass
+    model_output = model_executor.sample_tokens(grammar)  # the driver: one token per sampling sequence
+
+Which class is decided by the config alone: one process (`UniProcExecutor`), ranks this process starts
+(`MultiprocExecutor`), or ranks torchrun started (`ExecutorWithExternalLauncher`). The core never knows which.
+
+Where this lives in vLLM: `vllm/v1/executor/abstract.py` (`Executor.get_class`).
+"""
+
+import torch
+
+from solutions.config import VllmConfig
+from solutions.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from solutions.model.loader import load_model
+from solutions.worker.model_runner import ModelRunner
+
+
+class Executor:
+    """Runs the model for the engine core. `model_runner` is this process's runner (rank 0's, under tensor
+    parallelism): it holds this rank's model slice and KV cache, and samples."""
+
+    model_runner: ModelRunner
+
+    @staticmethod
+    def get_class(vllm_config: VllmConfig) -> type["Executor"]:
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size == 1:
+            from solutions.executor.uniproc_executor import UniProcExecutor
+
+            return UniProcExecutor
+        if parallel.distributed_executor_backend == "external_launcher":  # torchrun started every rank's engine
+            from solutions.executor.external_launcher import ExecutorWithExternalLauncher
+
+            return ExecutorWithExternalLauncher
+        from solutions.executor.multiproc_executor import MultiprocExecutor  # this process starts the workers
+
+        return MultiprocExecutor
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        self.vllm_config = vllm_config
+
+    def load_model(self) -> torch.nn.Module:
+        """This process's whole model, from the checkpoint the config names, on its device, in its dtype."""
+        config = self.vllm_config
+        return load_model(config.model_config.model, device=config.device_config.device, dtype=config.model_config.dtype)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
+        """One forward pass over the step's batch: the logits (B, V), the sampling rows kept for `sample_tokens`."""
+        return self.model_runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        return self.model_runner.sample_tokens(grammar_output)
+
+    def shutdown(self) -> None:
+        """Release the workers (nothing to do in one process). Idempotent."""
