@@ -3,7 +3,7 @@ r"""MkDocs hooks: publish the chapter notebooks from `chapters/` without copying
 The notebooks live next to their grading tests in `chapters/NN_slug/`, and that is where learners open them.
 The site reads them from there:
 
-- `on_config` builds the navigation: Home, then one entry per chapter notebook, in chapter order.
+- `on_config` builds the navigation: Home, the engine's spine (spine.md), then one entry per chapter notebook.
 - `on_files` adds each `chapters/*/*.ipynb` (and the images beside them) to the site's files, before
   mkdocs-jupyter turns notebooks into pages. Tests, Python modules and caches in `chapters/` are not published.
 - `on_page_markdown` resolves the course map's `[Title](chapter:NN)` links: a link to chapter NN's page when
@@ -85,7 +85,7 @@ def on_config(config: MkDocsConfig) -> MkDocsConfig:
     if config.nav is None:
         # Titles come from each notebook's first `# heading`.
         chapters = [p.as_posix() for p in chapter_notebooks()]
-        config.nav = [{"Home": "index.md"}] + ([{"Chapters": chapters}] if chapters else [])
+        config.nav = [{"Home": "index.md"}, {"The engine's spine": "spine.md"}] + ([{"Chapters": chapters}] if chapters else [])
     return config
 
 

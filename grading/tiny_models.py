@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from solutions.model.loader import cache_dir, load_model
+from solutions.envs import cache_dir
+from solutions.model.loader import load_model
 from solutions.model.llama import LlamaForCausalLM
 
 _BASE: dict[str, Any] = dict(

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.validation import FLOAT_DTYPES, check_caches, check_shape, check_tensor, next_power_of_2
+from kernels.validation import check_caches, check_shape, check_tensor, next_power_of_2
 
 PAD_SLOT_ID = -1
 
@@ -94,7 +94,11 @@ def store_kv_cache(
 
 
 def store_kv_cache_reference(
-    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
 ) -> None:
     """The same in PyTorch: scatter the rows whose slot is not -1 into the flattened caches."""
     num_kv_heads, head_dim = key_cache.shape[2:]

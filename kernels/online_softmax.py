@@ -54,6 +54,6 @@ def online_softmax_attention_reference(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The same three results from the whole row at once: (softmax @ values, row max, sum of exp(s - max))."""
     scores = scores.float()
-    m = scores.max(dim=1).values  # (G,)
-    l = torch.exp(scores - m[:, None]).sum(dim=1)  # (G,)
-    return torch.softmax(scores, dim=1) @ values.float(), m, l
+    m_i = scores.max(dim=1).values  # (G,)
+    l_i = torch.exp(scores - m_i[:, None]).sum(dim=1)  # (G,)
+    return torch.softmax(scores, dim=1) @ values.float(), m_i, l_i

@@ -73,7 +73,8 @@ def main() -> None:
           f"tokens decoded; sequences per step: max {max(stats.batch_sizes)}")
     print(f"  KV blocks: peak in use {stats.peak_blocks_used}, in use now {kv_cache_manager.num_used_blocks}; "
           f"copy-on-write copies {kv_cache_manager.num_blocks_copied}; preemptions {scheduler.num_preemptions}")
-    print(f"  prefix cache: {cache.queries} prompt tokens looked up, {cache.hits} found (hit rate {cache.hit_rate:.0%})")
+    print(f"  prefix cache: {cache.queries} prompt tokens looked up, {cache.hits} found "
+          f"(hit rate {cache.hit_rate:.0%})")
 
 
 if __name__ == "__main__":

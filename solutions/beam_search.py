@@ -81,7 +81,9 @@ class Beam:
     logprobs: list[float] = field(default_factory=list)
 
 
-def get_beam_search_score(tokens: list[int], cum_logprob: float, eos_token_id: int | None, length_penalty: float) -> float:
+def get_beam_search_score(
+    tokens: list[int], cum_logprob: float, eos_token_id: int | None, length_penalty: float
+) -> float:
     """vLLM's ranking score: the cumulative logprob over the length (prompt included, a final EOS not)."""
     seq_len = len(tokens) - (1 if eos_token_id is not None and tokens[-1] == eos_token_id else 0)
     return cum_logprob / (seq_len**length_penalty)
@@ -142,9 +144,9 @@ def run_beam_search(
 
     Drives `manager` and `model_runner` directly, as its own small scheduler: each step allocates slots for
     every live beam (its prompt at the first step, with prefix hits; then its newest token), gathers the
-    copy-on-write copies, advances the beams' computed tokens as the scheduler does, and runs one forward pass. `on_step(manager, beams)` is called after each step's allocation (for memory
-    measurements). Returns, per prompt, its beams best first (text not filled in). Raises ValueError if the
-    KV cache cannot hold the beams.
+    copy-on-write copies, advances the beams' computed tokens as the scheduler does, and runs one forward pass.
+    `on_step(manager, beams)` is called after each step's allocation (for memory measurements). Returns, per
+    prompt, its beams best first (text not filled in). Raises ValueError if the KV cache cannot hold the beams.
     """
     seq_ids = itertools.count() if seq_ids is None else seq_ids
     eos = None if params.ignore_eos else eos_token_id
@@ -198,10 +200,14 @@ def run_beam_search(
                 tokens=beam.seq.token_ids,
                 logprobs=beam.logprobs,
                 cum_logprob=beam.cum_logprob,
-                finish_reason=FinishReason.STOP if eos is not None and beam.seq.last_token_id == eos else FinishReason.LENGTH,
+                finish_reason=(
+                    FinishReason.STOP if eos is not None and beam.seq.last_token_id == eos else FinishReason.LENGTH
+                ),
             )
             for beam in (done[p] if len(done[p]) >= params.beam_width else done[p] + live[p])
         ]
-        candidates.sort(key=lambda s: get_beam_search_score(s.tokens, s.cum_logprob, eos, params.length_penalty), reverse=True)
+        candidates.sort(
+            key=lambda s: get_beam_search_score(s.tokens, s.cum_logprob, eos, params.length_penalty), reverse=True
+        )
         results.append(candidates[: params.beam_width])
     return results

@@ -53,17 +53,30 @@ class StructuredOutputsParams:
                 f"got {given or 'none'}", "structured_outputs",
             )
         if self.json is not None and not isinstance(self.json, str | dict):
-            raise ParameterError(f"StructuredOutputsParams.json must be a JSON schema (dict or str), got {type(self.json).__name__}", "structured_outputs")
+            raise ParameterError(
+                f"StructuredOutputsParams.json must be a JSON schema (dict or str), got {type(self.json).__name__}",
+                "structured_outputs",
+            )
         if not isinstance(self.json_object, bool):
-            raise ParameterError(f"StructuredOutputsParams.json_object must be True or False, got {self.json_object!r}", "structured_outputs")
+            raise ParameterError(
+                f"StructuredOutputsParams.json_object must be True or False, got {self.json_object!r}",
+                "structured_outputs",
+            )
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ParameterError(f"StructuredOutputsParams.{name} must be a non-empty string, got {value!r}", "structured_outputs")
+                raise ParameterError(
+                    f"StructuredOutputsParams.{name} must be a non-empty string, got {value!r}", "structured_outputs"
+                )
         if self.choice is not None and (
-            not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+            not isinstance(self.choice, list)
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
         ):
-            raise ParameterError(f"StructuredOutputsParams.choice must be a non-empty list of non-empty strings, got {self.choice!r}", "structured_outputs")
+            raise ParameterError(
+                f"StructuredOutputsParams.choice must be a non-empty list of non-empty strings, got {self.choice!r}",
+                "structured_outputs",
+            )
 
     @property
     def kind(self) -> str:
@@ -76,7 +89,9 @@ class StructuredOutputsParams:
     def key(self) -> tuple[str, str]:
         """(kind, spec as text): the grammar cache's key. Key order is kept: a schema's property order is the
         order the output writes them in."""
-        spec = {"json": self.json, "json_object": True, "regex": self.regex, "choice": self.choice, "grammar": self.grammar}[self.kind]
+        spec = {
+            "json": self.json, "json_object": True, "regex": self.regex, "choice": self.choice, "grammar": self.grammar
+        }[self.kind]
         return self.kind, spec if isinstance(spec, str) else json.dumps(spec)
 
 
@@ -94,13 +109,16 @@ class SamplingParams:
     seed: int | None = None  # per-request random seed: the same seed gives the same samples
     logprobs: int | None = None  # also return this many most likely tokens' log-probabilities per step
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
-    structured_outputs: StructuredOutputsParams | None = None  # constrain the output to a schema, regex, choice, grammar
+    # constrain the output to a schema, regex, choice, grammar
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         _require(_is_int(self.n) and self.n >= 1, "n", "an int >= 1", self.n)
-        _require(_is_number(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0", self.temperature)
+        _require(
+            _is_number(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0", self.temperature
+        )
         _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
         _require(_is_int(self.top_k) and self.top_k >= -1, "top_k", "-1, 0 (both: disabled) or an int >= 1", self.top_k)
         _require(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
@@ -115,8 +133,13 @@ class SamplingParams:
         )
         _require(isinstance(self.ignore_eos, bool), "ignore_eos", "True or False", self.ignore_eos)
         _require(self.seed is None or _is_int(self.seed), "seed", "None or an int", self.seed)
-        _require(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0), "logprobs", "None or an int >= 0", self.logprobs)
-        _require(isinstance(self.output_kind, RequestOutputKind), "output_kind", "a RequestOutputKind", self.output_kind)
+        _require(
+            self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+            "logprobs", "None or an int >= 0", self.logprobs,
+        )
+        _require(
+            isinstance(self.output_kind, RequestOutputKind), "output_kind", "a RequestOutputKind", self.output_kind
+        )
         _require(
             self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
             "structured_outputs", "None or a StructuredOutputsParams", self.structured_outputs,

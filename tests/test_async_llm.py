@@ -12,7 +12,9 @@ import pytest
 
 from grading.tiny_models import tiny_checkpoint
 from solutions import LLM, FinishReason, SamplingParams
+from solutions.engine.arg_utils import AsyncEngineArgs, engine_args_from_kwargs
 from solutions.engine.async_llm import AsyncLLM, EngineDeadError
+from solutions.exceptions import ParameterError
 
 MODEL = str(tiny_checkpoint("llama-gqa"))  # vocab 256, no tokenizer: prompts are token ids
 ENGINE_ARGS = dict(block_size=4, max_model_len=512, max_num_seqs=16, seed=0)
@@ -31,8 +33,12 @@ def oracle() -> list[list[int]]:
 
 @pytest.fixture(scope="module", params=["process", "thread"])
 def llm(request):
-    with AsyncLLM(MODEL, engine_core=request.param, **ENGINE_ARGS) as engine:
+    with start(request.param) as engine:
         yield engine
+
+
+def start(engine_core: str) -> AsyncLLM:
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(model=MODEL, engine_core=engine_core, **ENGINE_ARGS))
 
 
 def run(coroutine):
@@ -60,10 +66,14 @@ def wait_for_idle_engine(llm: AsyncLLM) -> None:
 
 
 def test_engine_options_are_checked_before_anything_starts():
-    with pytest.raises(ValueError, match="engine_core must be one of"):
-        AsyncLLM(MODEL, engine_core="fork")
-    with pytest.raises(ValueError, match="unknown engine options \\['max_seqs'\\]"):
-        AsyncLLM(MODEL, max_seqs=4)
+    with pytest.raises(ParameterError, match="engine_core must be one of \\('process', 'thread'\\)") as refused:
+        AsyncEngineArgs(model=MODEL, engine_core="fork")
+    assert refused.value.parameter == "engine_core"
+    with pytest.raises(ParameterError, match="unknown engine options \\['max_seqs'\\]") as refused:
+        engine_args_from_kwargs(AsyncEngineArgs, dict(model=MODEL, max_seqs=4))
+    assert refused.value.parameter == "max_seqs"
+    with pytest.raises(TypeError, match="max_seqs"):
+        AsyncEngineArgs(model=MODEL, max_seqs=4)
 
 
 def test_greedy_streams_equal_llm_generate_and_deltas_concatenate(llm, oracle):
@@ -161,7 +171,7 @@ def test_bad_requests_raise_value_error_and_the_others_still_finish(llm, oracle)
 
 
 def test_a_killed_core_process_reaches_every_waiting_caller():
-    engine = AsyncLLM(MODEL, engine_core="process", **ENGINE_ARGS)
+    engine = start("process")
 
     async def main():
         streams = [engine.generate(PROMPTS[i], LONG, f"doomed-{i}") for i in range(3)]
@@ -187,8 +197,8 @@ def test_a_killed_core_process_reaches_every_waiting_caller():
 
 
 def test_an_exception_in_step_is_fatal_and_carries_its_traceback():
-    engine = AsyncLLM(MODEL, engine_core="thread", **ENGINE_ARGS)
-    engine.engine_core.engine_core.engine.model_runner = None  # the next forward pass raises AttributeError
+    engine = start("thread")
+    engine.engine_core.engine_core.model_executor.model_runner = None  # the next forward pass raises AttributeError
 
     async def main():
         with pytest.raises(EngineDeadError, match="AttributeError"):
@@ -202,7 +212,7 @@ def test_an_exception_in_step_is_fatal_and_carries_its_traceback():
 
 
 def test_shutdown_leaves_no_live_child_process():
-    with AsyncLLM(MODEL, engine_core="process", **ENGINE_ARGS) as engine:
+    with start("process") as engine:
         assert run(collect(engine, PROMPTS[0], GREEDY, "last"))[-1].finished
         process = engine.engine_core.process
         assert process.is_alive()

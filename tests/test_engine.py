@@ -19,6 +19,11 @@ from solutions.sample.sampler import apply_top_k_top_p_min_p
 GREEDY_64 = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 
 
+def core(llm: LLM):
+    """The engine core behind `llm` (its scheduler, KV cache manager and model executor)."""
+    return llm.llm_engine.engine_core.engine_core
+
+
 @functools.cache
 def hf_oracle(folder: Path) -> torch.nn.Module:
     return hf_model(folder)
@@ -61,7 +66,7 @@ def test_tiny_greedy_matches_hugging_face_in_any_batch_composition(name, engine_
         assert output.prompt_token_ids == prompt
         theirs = hf_greedy(folder, tuple(prompt), 64)
         assert_greedy_close(output.outputs[0].token_ids, theirs, prompt, hf_oracle(folder))
-    assert llm.llm_engine.kv_cache_manager.num_used_blocks == 0, "every block is freed when the requests finish"
+    assert core(llm).scheduler.kv_cache_manager.num_used_blocks == 0, "every block is freed when the requests finish"
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +82,8 @@ def test_smollm2_greedy_matches_hugging_face_generate(smollm2):
         prompt = output.prompt_token_ids
         theirs = hf_greedy(folder, tuple(prompt), 64)
         assert_greedy_close(output.outputs[0].token_ids, theirs, prompt, hf_oracle(folder))
-    assert smollm2.llm_engine.stats.peak_blocks_used > 0 and smollm2.llm_engine.kv_cache_manager.num_used_blocks == 0
+    assert smollm2.llm_engine.stats.peak_blocks_used > 0
+    assert core(smollm2).scheduler.kv_cache_manager.num_used_blocks == 0
 
 
 # --- outputs, stop conditions, sampling ------------------------------------------------------------------
@@ -91,7 +97,7 @@ def test_chat_answer_stops_at_eos(smollm2):
     completion = out.outputs[0]
     assert "Paris" in completion.text
     assert completion.finish_reason == FinishReason.STOP == "stop"
-    assert completion.token_ids[-1] == smollm2.model.config.eos_token_id
+    assert completion.token_ids[-1] == core(smollm2).model_executor.model_runner.model.config.eos_token_id
     (ignored,) = smollm2.generate(prompt, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True))
     assert ignored.outputs[0].finish_reason == "length" and len(ignored.outputs[0].token_ids) == 48
 
@@ -171,7 +177,7 @@ def test_lower_priority_value_runs_first():
     llm = LLM(model=str(tiny_checkpoint("llama-gqa")), max_num_seqs=1, scheduling_policy="priority")
     engine, params = llm.llm_engine, SamplingParams(temperature=0.0, max_tokens=3)
     for request_id, priority in [("late", 5), ("urgent", -1), ("normal", 0)]:
-        engine.add_request(engine.process_request(request_id, [1, 2, 3], params, priority))
+        engine.add_request(request_id, [1, 2, 3], params, priority)
     finished = []
     while engine.has_unfinished_requests():
         finished += [o.request_id for o in engine.step() if o.finished]
@@ -231,7 +237,8 @@ def test_a_bad_request_is_rejected_and_disturbs_nothing():
     for prompts, message in bad_batches:
         with pytest.raises(ValueError, match=re.escape(message)):
             llm.generate(prompts, params)
-        assert not llm.llm_engine.has_unfinished_requests() and llm.llm_engine.kv_cache_manager.num_used_blocks == 0
+        assert not llm.llm_engine.has_unfinished_requests()
+        assert core(llm).scheduler.kv_cache_manager.num_used_blocks == 0
     assert llm.generate([[1, 2, 3]], params)[0].outputs[0].token_ids == before
 
 
@@ -243,9 +250,9 @@ def test_command_line_generates_and_reports_the_engine(tmp_path):
 
 
 def test_every_step_keeps_its_time_in_one_ledger_by_stage():
-    """Each step's `StepStats.seconds` holds the time of every stage, the model runner's share (inputs, forward)
+    """Each step's `SchedulerStats.seconds` holds the time of every stage, the model runner's share (inputs, forward)
     included: the runner keeps no running totals of its own."""
-    from solutions.engine.llm_engine import STEP_STAGES
+    from solutions.metrics.stats import STEP_STAGES
 
     llm = LLM(model=str(tiny_checkpoint("llama-gqa")), block_size=16, max_num_seqs=4, max_model_len=128)
     llm.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
@@ -254,4 +261,4 @@ def test_every_step_keeps_its_time_in_one_ledger_by_stage():
     for step in steps:
         assert tuple(step.seconds) == STEP_STAGES
         assert step.seconds["prepare"] > 0 and step.seconds["forward"] > 0, "every step ran the model"
-    assert not hasattr(llm.llm_engine.model_runner, "seconds")
+    assert not hasattr(core(llm).model_executor.model_runner, "seconds")

@@ -19,7 +19,9 @@ import torch
 
 from benchmarks.structured_output import person_schema
 from solutions import LLM, SamplingParams, StructuredOutputsParams
+from solutions.engine.arg_utils import EngineArgs
 from solutions.engine.llm_engine import LLMEngine
+from solutions.exceptions import ParameterError
 from solutions.outputs import FinishReason
 from solutions.structured_output import ChoiceGrammar, StructuredOutputManager, TokenTexts
 from solutions.structured_output.bitmask import (
@@ -110,7 +112,13 @@ def tight_engine(**overrides) -> LLMEngine:
     """An engine on the module's model with a small KV cache of 4-token blocks (so requests preempt each other)."""
     options = dict(block_size=4, num_kv_blocks=20, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512,
                    long_prefill_token_threshold=64) | overrides
-    return LLMEngine(llm().model, llm().tokenizer, **options)
+    return LLMEngine.from_engine_args(EngineArgs(model=MODEL, **options))
+
+
+def new_manager() -> StructuredOutputManager:
+    """A manager for the module's tokenizer and model config, as the engine core makes its own."""
+    model_config = llm().llm_engine.vllm_config.model_config
+    return StructuredOutputManager(llm().tokenizer, model_config.vocab_size, model_config.eos_token_id)
 
 
 def stream(engine: LLMEngine, requests: dict[str, tuple[str, SamplingParams]]) -> dict[str, tuple[list[int], str, FinishReason]]:
@@ -140,7 +148,7 @@ def test_preemption_prefix_caching_and_streaming_keep_the_grammar_in_step():
     alone = {rid: llm().generate([prompt], params, use_tqdm=False)[0].outputs[0] for rid, (prompt, params) in requests.items()}
     engine = tight_engine()
     got = stream(engine, requests)
-    assert engine.scheduler.num_preemptions > 0, "the tight cache should have forced preemptions"
+    assert engine.engine_core.engine_core.scheduler.num_preemptions > 0, "the tight cache should have forced preemptions"
     assert sum(step.num_cached_tokens for step in engine.stats.steps) > 0, "the shared prompt should hit the prefix cache"
     for rid, (tokens, text, finish) in got.items():
         assert tokens == alone[rid].token_ids, rid
@@ -167,9 +175,11 @@ def test_a_constraint_that_does_not_compile_is_refused_and_disturbs_nothing():
     engine.add_request("ok", JSON_PROMPT, constrained(None, json=PERSON))
     first = [t for output in engine.step() for t in output.outputs[0].token_ids]  # in flight: its prompt is in
     for constraint, field in BAD_CONSTRAINTS:
-        with pytest.raises(ValueError, match=rf"StructuredOutputsParams\.{field} is not valid"):
+        with pytest.raises(ParameterError, match=rf"StructuredOutputsParams\.{field} is not valid") as refused:
             engine.add_request("bad", "x", SamplingParams(structured_outputs=StructuredOutputsParams(**constraint)))
-        assert list(engine.requests) == ["ok"]
+        assert refused.value.parameter == "structured_outputs"
+        assert list(engine.engine_core.engine_core.scheduler.requests) == ["ok"]
+        assert list(engine.output_processor.request_states) == ["ok"]
     tokens, text, finish = stream(engine, {})["ok"]
     assert first + tokens == llm().generate([JSON_PROMPT], constrained(None, json=PERSON), use_tqdm=False)[0].outputs[0].token_ids
 
@@ -193,7 +203,7 @@ def test_structured_outputs_params_name_the_bad_field(kwargs, message):
 
 
 def test_equal_constraints_compile_once():
-    manager = StructuredOutputManager(llm().tokenizer, llm().model.config.vocab_size, llm().model.config.eos_token_id)
+    manager = new_manager()
     first = manager.grammar_init(StructuredOutputsParams(json=dict(PERSON)), 2)
     second = manager.grammar_init(StructuredOutputsParams(json=json.dumps(PERSON)), 1)
     assert len(first) == 2 and first[0] is not first[1] and len(second) == 1
@@ -218,7 +228,7 @@ def test_bitmask_pack_unpack_and_apply_agree_with_a_bool_mask():
 
 
 def test_the_guidance_mask_allows_exactly_what_the_schema_allows_next():
-    manager = StructuredOutputManager(llm().tokenizer, llm().model.config.vocab_size, llm().model.config.eos_token_id)
+    manager = new_manager()
     (grammar,) = manager.grammar_init(StructuredOutputsParams(json=PERSON), 1)
     bitmask = allocate_token_bitmask(1, manager.vocab_size)
     grammar.fill_bitmask(bitmask, 0)

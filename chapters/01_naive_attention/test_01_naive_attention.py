@@ -19,7 +19,7 @@ from solutions.model import layers
 REFERENCE = {
     "rms_norm": layers.rms_norm,
     "apply_rope": layers.apply_rope,
-    "repeat_kv": layers.repeat_kv,
+    "repeat_kv": attention.repeat_kv,
     "causal_attention": attention.causal_attention,
     "decoder_layer": naive.decoder_layer,
     "forward": naive.forward,
@@ -120,7 +120,7 @@ def test_apply_rope_scores_depend_only_on_distance(impl):
 @pytest.mark.exercise("repeat_kv")
 def test_repeat_kv_matches_reference(impl):
     x = randn(5, 3, 4, seed=10)
-    expect_close(impl.repeat_kv(x, 3), layers.repeat_kv(x, 3), inputs="x randn(5, Hkv=3, 4), 3 queries per kv head")
+    expect_close(impl.repeat_kv(x, 3), attention.repeat_kv(x, 3), inputs="x randn(5, Hkv=3, 4), 3 queries per kv head")
 
 
 @pytest.mark.exercise("repeat_kv")

@@ -2,8 +2,10 @@
 
 Each test grades one exercise (`@pytest.mark.exercise`). The oracles are independent of the code under test:
 budgets, chunks and admissions counted by hand for the scheduler; the victims, the batch, the budget handed
-back and the pool's free count, worked out by hand, for preemption; positions, slots and offsets written out by hand for the flattened batch; Hugging Face
-`generate` for the engine step; a per-row sort in float64 for the top-p and min-p filters.
+back and the pool's free count, worked out by hand, for preemption; positions, slots and offsets written out by
+hand for the flattened batch; the sampling rows of hand-made steps, and Hugging Face `generate`, for which rows
+sample; Hugging Face `generate` and a grammar's choices for the engine core's step; a per-row sort in float64 for
+the top-p and min-p filters.
 """
 
 import functools
@@ -12,15 +14,19 @@ import pytest
 import torch
 
 from grading import exercising, expect_equal
-from grading.capstone import CAPSTONE_PROMPTS, smollm2, smollm2_greedy, swap_in
+from grading.capstone import CAPSTONE_PROMPTS, smollm2_greedy, swap_in
 from grading.tiny_models import hf_model, tiny_checkpoint
-from solutions import LLM, SamplingParams
+from solutions import LLM, SamplingParams, StructuredOutputsParams
 from solutions.core import kv_cache_manager
+from solutions.core.sched import output as output_module
 from solutions.core.sched import scheduler as scheduler_module
-from solutions.core.sched.output import SchedulerOutput
+from solutions.core.sched.output import EngineCoreOutputs, SchedulerOutput
 from solutions.core.sched.request_queue import SchedulingPolicy
 from solutions.core.sequence import Sequence, SequenceStatus
-from solutions.engine import llm_engine
+from solutions.engine import core as core_module
+from solutions.engine.arg_utils import EngineArgs
+from solutions.engine.llm_engine import LLMEngine
+from solutions.metrics.stats import SchedulerStats
 from solutions.sample import sampler
 from solutions.worker import model_runner
 
@@ -28,7 +34,8 @@ REFERENCE = {
     "Scheduler": scheduler_module.Scheduler,
     "allocate_or_preempt": scheduler_module.allocate_or_preempt,
     "prepare_inputs": model_runner.prepare_inputs,
-    "engine_step": llm_engine.engine_step,
+    "sampling_rows": output_module.sampling_rows,
+    "engine_step": core_module.engine_step,
     "apply_top_p": sampler.apply_top_p,
     "apply_min_p": sampler.apply_min_p,
 }
@@ -467,10 +474,12 @@ def test_preempted_sequences_resume_with_hugging_faces_tokens(impl, monkeypatch)
         params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
         outputs = llm.generate(prompts, params, priority=priority, use_tqdm=False)
         where = f"{inputs}, policy {policy}"
-        assert llm.llm_engine.scheduler.num_preemptions > 0, f"{where}: the test expected preemptions"
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        assert scheduler.num_preemptions > 0, f"{where}: the test expected preemptions"
         for prompt, output in zip(prompts, outputs, strict=True):
-            expect_equal(output.outputs[0].token_ids, hf_greedy(folder, tuple(prompt), 16), inputs=f"{where}; prompt {prompt}")
-        expect_equal(llm.llm_engine.kv_cache_manager.num_used_blocks, 0, inputs=f"{where}; blocks in use at the end")
+            expect_equal(output.outputs[0].token_ids, hf_greedy(folder, tuple(prompt), 16),
+                         inputs=f"{where}; prompt {prompt}")
+        expect_equal(scheduler.kv_cache_manager.num_used_blocks, 0, inputs=f"{where}; blocks in use at the end")
 
 
 # --- prepare_inputs ----------------------------------------------------------------------------------------------
@@ -541,6 +550,102 @@ def test_prepare_inputs_changes_no_sequence(impl):
                  inputs=f"{MIXED}; (num_computed_tokens, num_tokens, block_table) afterwards — the scheduler advances them, not prepare_inputs")
 
 
+# --- sampling_rows -----------------------------------------------------------------------------------------------
+
+
+def advanced(out: SchedulerOutput) -> SchedulerOutput:
+    """`out` as `schedule()` returns it: every scheduled sequence already advanced past this step's tokens."""
+    scheduler_module.advance_computed_tokens(out)
+    return out
+
+
+def call_sampling_rows(impl, out: SchedulerOutput, inputs: str) -> tuple[list[int], list[int]]:
+    """(rows, the seq_id of each sampling sequence) from `impl.sampling_rows(out)`."""
+    with exercising("sampling_rows", inputs):
+        result = impl.sampling_rows(out)
+    if not (isinstance(result, tuple) and len(result) == 2 and len(result[0]) == len(result[1])):
+        raise AssertionError(f"on input {inputs}: expected (rows, seqs), two lists of equal length, got {result!r:.100}")
+    rows, seqs = result
+    if not all(type(row) is int for row in rows):
+        raise AssertionError(f"on input {inputs}: expected rows as ints (indices into the logits), got {rows!r:.100}")
+    return list(rows), [seq.seq_id for seq in seqs]
+
+
+@pytest.mark.exercise("sampling_rows")
+def test_sampling_rows_skips_a_prompt_chunk_that_is_not_the_last(impl):
+    inputs = f"{MIXED}, as schedule() leaves them (A and C are complete after the step, B has 2 prompt tokens left)"
+    rows, seq_ids = call_sampling_rows(impl, advanced(mixed_step()), inputs)
+    expect_equal((rows, seq_ids), ([0, 2], [0, 2]),
+                 inputs=f"{inputs}; (rows, seq_ids): each sampling sequence keeps its own row, B samples nothing")
+
+
+@pytest.mark.exercise("sampling_rows")
+def test_sampling_rows_forked_samples_share_their_parents_row(impl):
+    x = Sequence(0, [1, 2, 3])
+    x.append_token(4)
+    x.num_computed_tokens = 3
+    p = Sequence(1, list(range(20, 27)))
+    p.num_computed_tokens = 4
+    q = Sequence(2, list(range(30, 39)))
+    out = advanced(SchedulerOutput(scheduled_seqs=[x, p, q], num_scheduled_tokens=[1, 3, 4]))
+    out.forked_seqs = {1: [p.fork(10), p.fork(11)]}
+    inputs = ("X (id 0) decodes; P (id 1) computes the last 3 tokens of its 7-token prompt and forks ids 10 and 11 "
+              "(n=3); Q (id 2) computes the first 4 tokens of its 9")
+    rows, seq_ids = call_sampling_rows(impl, out, inputs)
+    expect_equal(rows, [0, 1, 1, 1], inputs=f"{inputs}; rows, in batch order (P's row once for each of its 3 samples)")
+    expect_equal(sorted(zip(rows, seq_ids)), [(0, 0), (1, 1), (1, 10), (1, 11)], inputs=f"{inputs}; (row, seq_id) pairs")
+
+
+@pytest.mark.exercise("sampling_rows")
+def test_sampling_rows_waits_for_the_end_of_a_recompute(impl):
+    seqs = []
+    for seq_id in (0, 1):
+        seq = Sequence(seq_id, list(range(10, 16)))  # 6 prompt tokens
+        for token in (200, 201, 202):
+            seq.append_token(token)
+        seqs.append(seq)
+    seqs[1].num_computed_tokens = 7
+    out = advanced(SchedulerOutput(scheduled_seqs=seqs, num_scheduled_tokens=[7, 2]))
+    inputs = ("two preempted sequences of 6 prompt + 3 output tokens, recomputed in chunks: id 0 computes tokens "
+              "0-6 (its prompt and 1 output; 2 left), id 1 tokens 7-8 (the last)")
+    rows, seq_ids = call_sampling_rows(impl, out, inputs)
+    expect_equal((rows, seq_ids), ([1], [1]),
+                 inputs=f"{inputs}; (rows, seq_ids): a sequence samples once ALL its tokens are computed, not its prompt")
+
+
+@pytest.mark.exercise("sampling_rows")
+def test_sampling_rows_of_a_step_of_prompt_chunks_is_empty(impl):
+    a, b = Sequence(0, list(range(10, 22))), Sequence(1, list(range(40, 45)))
+    b.num_computed_tokens = 1
+    out = advanced(SchedulerOutput(scheduled_seqs=[a, b], num_scheduled_tokens=[8, 2]))
+    inputs = "two prompt chunks: id 0 tokens 0-7 of 12, id 1 tokens 1-2 of 5"
+    expect_equal(call_sampling_rows(impl, out, inputs), ([], []), inputs=f"{inputs}; (rows, seq_ids)")
+    expect_equal(call_sampling_rows(impl, SchedulerOutput(), "an empty step"), ([], []), inputs="an empty step")
+
+
+@pytest.mark.exercise("sampling_rows")
+@pytest.mark.timeout(120)
+def test_sampling_rows_in_the_engine_gives_every_sample_its_tokens(impl):
+    folder = tiny_checkpoint("llama-gqa")
+    seeded = list(range(70, 83))
+    sampled = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True)
+    alone = LLM(model=str(folder), block_size=4).generate([seeded], sampled, use_tqdm=False)[0].outputs[0].token_ids
+    forked = list(range(60, 71))
+    engine, core = engine_and_core(folder, block_size=4, max_num_batched_tokens=8, long_prefill_token_threshold=4)
+    engine.add_request("forked", forked, SamplingParams(n=3, temperature=0.0, max_tokens=6, ignore_eos=True))
+    engine.add_request("seeded", seeded, sampled)
+    engine.add_request("short", [5, 6], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    with swap_in(impl, {"sampling_rows": REFERENCE["sampling_rows"]}):  # the runner and the scheduler use yours
+        got, _ = run_core(core_module.engine_step, core)
+    inputs = ("tiny llama-gqa, budget 8, long_prefill_token_threshold 4 (prompts in chunks), your sampling_rows in "
+              "the engine: an 11-token prompt with n=3 (greedy), a 13-token prompt sampled with seed 7 (temperature "
+              "1, top_p 0.9), a 2-token prompt (greedy)")
+    expect_equal(got.get("forked"), [hf_greedy(folder, tuple(forked), 6)] * 3, inputs=f"{inputs}; the 3 samples of 'forked'")
+    expect_equal(got.get("seeded"), [alone], inputs=f"{inputs}; 'seeded' (oracle: the reference engine, the request "
+                 "alone and unchunked) — a chunk must not use up the request's random numbers")
+    expect_equal(got.get("short"), [hf_greedy(folder, (5, 6), 6)], inputs=f"{inputs}; 'short'")
+
+
 # --- engine_step -------------------------------------------------------------------------------------------------
 
 
@@ -556,58 +661,82 @@ def hf_oracle(folder):
     return hf_model(folder)
 
 
-def drive(impl, engine, limit: int = 300) -> dict[str, list[list[int]]]:
-    """Run `impl.engine_step` until every request finishes; request id -> token ids of each sample."""
-    tokens: dict[str, list[list[int]]] = {}
+def engine_and_core(folder, **engine_args) -> tuple[LLMEngine, core_module.EngineCore]:
+    """An `LLM`'s front end (to add requests: validated and tokenised by its processor) and its in-process
+    engine core (`llm.llm_engine.engine_core.engine_core`), which the tests step."""
+    engine = LLM(model=str(folder), **engine_args).llm_engine
+    return engine, engine.engine_core.engine_core
+
+
+def run_core(step, core, limit: int = 300) -> tuple[dict[str, list[list[int]]], list[SchedulerStats]]:
+    """Call `step(core)` until the core has no unfinished request: request id -> the token ids of each of its
+    samples (by index), and each step's `SchedulerStats`."""
+    tokens: dict[str, dict[int, list[int]]] = {}
+    stats = []
     for _ in range(limit):
-        if not engine.has_unfinished_requests():
-            return tokens
-        for output in impl.engine_step(engine):
-            samples = tokens.setdefault(output.request_id, [[] for _ in output.outputs])
-            for completion in output.outputs:
-                samples[completion.index] += completion.token_ids  # outputs are deltas
-    raise AssertionError(f"the engine still had unfinished requests after {limit} calls of engine_step")
+        if not core.has_unfinished_requests():
+            return {r: [samples[i] for i in sorted(samples)] for r, samples in tokens.items()}, stats
+        outputs = step(core)
+        if not isinstance(outputs, EngineCoreOutputs):
+            raise AssertionError(f"a step must return the EngineCoreOutputs of update_from_output, got {outputs!r:.100}")
+        for output in outputs.outputs:  # one per sample that got tokens (or its cached-token count) this step
+            tokens.setdefault(output.request_id, {}).setdefault(output.index, []).extend(output.new_token_ids)
+        stats.append(outputs.scheduler_stats)
+    raise AssertionError(f"the engine core still had unfinished requests after {limit} steps")
+
+
+def drive(impl, core, limit: int = 300) -> tuple[dict[str, list[list[int]]], list[SchedulerStats]]:
+    """`run_core` with your `engine_step`, swapped in for the reference while it runs (so the core's own `step()`
+    is yours too)."""
+    with swap_in(impl, {"engine_step": REFERENCE["engine_step"]}) as mine:
+        return run_core(mine.engine_step, core, limit)
 
 
 @pytest.mark.exercise("engine_step")
 @pytest.mark.parametrize("threshold", [4, 64], ids=["chunked", "whole-prompts"])
 def test_engine_step_produces_hugging_faces_greedy_tokens(impl, threshold):
     folder = tiny_checkpoint("llama-gqa")
-    llm = LLM(model=str(folder), block_size=4, max_num_batched_tokens=12, long_prefill_token_threshold=threshold)
-    engine = llm.llm_engine
+    engine, core = engine_and_core(folder, block_size=4, max_num_batched_tokens=12,
+                                   long_prefill_token_threshold=threshold)
     prompts = [list(range(50, 60)), [7, 8, 9], list(range(90, 97)), [3]]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params)
-    got = drive(impl, engine)
-    inputs = f"tiny llama-gqa, block_size 4, budget 12, long_prefill_token_threshold {threshold}, prompts of 10, 3, 7, 1 tokens, 10 new tokens each"
+    got, _ = drive(impl, core)
+    inputs = (f"tiny llama-gqa, block_size 4, budget 12, long_prefill_token_threshold {threshold}, prompts of 10, 3, "
+              "7, 1 tokens, 10 new tokens each")
     for i, prompt in enumerate(prompts):
         expect_equal(got.get(f"r{i}"), [hf_greedy(folder, tuple(prompt), 10)], inputs=f"{inputs}; request r{i}")
-    expect_equal(engine.kv_cache_manager.num_used_blocks, 0, inputs=f"{inputs}; blocks in use at the end")
+    expect_equal(core.scheduler.kv_cache_manager.num_used_blocks, 0, inputs=f"{inputs}; blocks in use at the end")
 
 
 @pytest.mark.exercise("engine_step")
 def test_engine_step_gives_every_sample_of_n_its_tokens(impl):
     folder = tiny_checkpoint("llama-gqa")
-    engine = LLM(model=str(folder), block_size=4, max_num_batched_tokens=8).llm_engine
+    engine, core = engine_and_core(folder, block_size=4, max_num_batched_tokens=8)
     prompt = list(range(60, 71))
     engine.add_request("r0", prompt, SamplingParams(n=3, temperature=0.0, max_tokens=6, ignore_eos=True))
     engine.add_request("r1", [5, 6], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-    got = drive(impl, engine)
+    got, _ = drive(impl, core)
     inputs = "tiny llama-gqa, budget 8: an 11-token prompt with n=3 (greedy) beside a 2-token prompt, 6 new tokens each"
     expect_equal(got.get("r0"), [hf_greedy(folder, tuple(prompt), 6)] * 3, inputs=f"{inputs}; the 3 samples of r0")
     expect_equal(got.get("r1"), [hf_greedy(folder, (5, 6), 6)], inputs=f"{inputs}; r1")
 
 
 @pytest.mark.exercise("engine_step")
-def test_engine_step_records_each_step(impl):
+def test_engine_step_reports_each_steps_stats(impl):
     folder = tiny_checkpoint("llama-gqa")
-    engine = LLM(model=str(folder), block_size=4, max_num_batched_tokens=6).llm_engine
+    engine, core = engine_and_core(folder, block_size=4, max_num_batched_tokens=6)
     engine.add_request("r0", list(range(40, 50)), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
-    drive(impl, engine)
-    steps = [(s.num_prefill_tokens, s.num_decode_tokens) for s in engine.stats.steps]
+    _, stats = drive(impl, core)
     inputs = "tiny llama-gqa, budget 6, a 10-token prompt, 3 new tokens"
+    if not all(isinstance(s, SchedulerStats) for s in stats):
+        raise AssertionError(f"on input {inputs}: each step's EngineCoreOutputs must carry its SchedulerStats "
+                             f"(update_from_output makes them), got {stats!r:.120}")
+    steps = [(s.num_prefill_tokens, s.num_decode_tokens) for s in stats]
     expect_equal(steps, [(6, 0), (4, 0), (0, 1), (0, 1)], inputs=f"{inputs}; (prefill, decode) tokens of each step")
+    expect_equal([set(s.seconds) >= {"schedule", "forward", "sample"} for s in stats], [True] * 4,
+                 inputs=f"{inputs}; each step's stats time its schedule, forward and sample stages")
 
 
 @pytest.mark.exercise("engine_step")
@@ -616,14 +745,36 @@ def test_engine_step_draws_nothing_for_a_prompt_chunk(impl):
     prompt = list(range(70, 83))
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True)
     alone = LLM(model=str(folder), block_size=4).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-    engine = LLM(model=str(folder), block_size=4, max_num_batched_tokens=8, long_prefill_token_threshold=4).llm_engine
+    engine, core = engine_and_core(folder, block_size=4, max_num_batched_tokens=8, long_prefill_token_threshold=4)
     engine.add_request("sampled", prompt, params)
     engine.add_request("greedy", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-    got = drive(impl, engine)
+    got, _ = drive(impl, core)
     inputs = ("tiny llama-gqa, budget 8, long_prefill_token_threshold 4: a 13-token prompt sampled with seed 7 "
               "(temperature 1, top_p 0.9; prefilled in 4 chunks) beside a greedy request")
     expect_equal(got.get("sampled"), [alone], inputs=f"{inputs}; the seeded request's tokens (the reference engine, "
                  "same request alone and unchunked) — a chunk must not use up the request's random numbers")
+
+
+CHOICES = ["London", "Berlin"]  # both wrong: unconstrained, SmolLM2 answers "The capital of France is Paris."
+
+
+@pytest.mark.exercise("engine_step")
+@pytest.mark.timeout(180)  # a real model: a few seconds on an idle machine
+def test_engine_step_samples_a_constrained_request_within_its_grammar(impl):
+    engine = LLMEngine.from_engine_args(EngineArgs(model="smollm2-135m", block_size=16, num_kv_blocks=32,
+                                                   max_model_len=256))
+    core = engine.engine_core.engine_core
+    constrained = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=CHOICES))
+    engine.add_request("choice", CAPSTONE_PROMPTS[0], constrained)
+    engine.add_request("free", CAPSTONE_PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    inputs = (f"SmolLM2-135M, CAPSTONE_PROMPTS[0] (\"What is the capital of France?\") twice, greedy: once with "
+              f"structured_outputs choice={CHOICES}, once free, 8 tokens")
+    with exercising("engine_step", inputs):
+        got, _ = drive(impl, core)
+    text = engine.tokenizer.decode(got.get("choice", [[]])[0])
+    expect_equal(text in CHOICES, True, inputs=f"{inputs}; the constrained request's text {text!r} is one of the "
+                 "choices (the step must sample within the masks of get_grammar_bitmask)")
+    expect_equal(got.get("free"), [smollm2_greedy(0, 8)], inputs=f"{inputs}; the free request (oracle: Hugging Face)")
 
 
 # --- apply_top_p, apply_min_p ------------------------------------------------------------------------------------
@@ -724,7 +875,7 @@ def test_min_p_matches_a_sorting_oracle_per_row(impl, seed):
 # sharing their system prompt's blocks.
 CAPSTONE_ENGINE = dict(block_size=8, num_kv_blocks=14, max_num_seqs=8, max_num_batched_tokens=32,
                        long_prefill_token_threshold=16, max_model_len=256, enable_prefix_caching=True,
-                       scheduling_policy=SchedulingPolicy.PRIORITY)
+                       scheduling_policy="priority")
 CAPSTONE_WAVES = [[(0, 2), (7, 2)], [(2, 0), (4, 0), (3, 0)]]  # (index into CAPSTONE_PROMPTS, priority)
 CAPSTONE_SAMPLED = 3  # this prompt is sampled; the others are greedy
 CAPSTONE_TOKENS = 12
@@ -732,16 +883,16 @@ SAMPLED = SamplingParams(temperature=0.8, top_p=0.8, min_p=0.1, seed=5, max_toke
 GREEDY = SamplingParams(temperature=0.0, max_tokens=CAPSTONE_TOKENS, ignore_eos=True)
 
 
-def capstone_engine(**overrides) -> llm_engine.LLMEngine:
-    """An engine on SmolLM2 (loaded once per process). Built inside `swap_in`, it runs your Scheduler and the rest."""
-    model, tokenizer = smollm2()
-    return llm_engine.LLMEngine(model, tokenizer, **(CAPSTONE_ENGINE | overrides))
+def capstone_engine(**overrides) -> LLMEngine:
+    """A front end and engine core on SmolLM2 (its converted weights load in well under a second). Built inside
+    `swap_in`, its core runs your Scheduler and the rest."""
+    return LLMEngine.from_engine_args(EngineArgs(model="smollm2-135m", **(CAPSTONE_ENGINE | overrides)))
 
 
-def record_schedules(engine) -> list[tuple[list[tuple[int, int, int, int]], list[int]]]:
-    """Have `engine`'s scheduler record each step: (seq_id, tokens, computed before, total) per scheduled
+def record_schedules(core) -> list[tuple[list[tuple[int, int, int, int]], list[int]]]:
+    """Have `core`'s scheduler record each step: (seq_id, tokens, computed before, total) per scheduled
     sequence, and the resumed ids."""
-    steps, schedule = [], engine.scheduler.schedule
+    steps, schedule = [], core.scheduler.schedule
 
     def recording():
         out = schedule()
@@ -749,7 +900,7 @@ def record_schedules(engine) -> list[tuple[list[tuple[int, int, int, int]], list
         steps.append(([(s.seq_id, n, start, s.num_tokens) for s, n, start in scheduled], list(out.resumed_seq_ids)))
         return out
 
-    engine.scheduler.schedule = recording
+    core.scheduler.schedule = recording
     return steps
 
 
@@ -763,24 +914,27 @@ def test_capstone_a_preemption_storm_on_smollm2_gives_hugging_faces_tokens(impl)
     while reference.has_unfinished_requests():
         for output in reference.step():  # the reference engine_step: nothing is swapped in yet
             alone += output.outputs[0].token_ids
-    engine_args = CAPSTONE_ENGINE | dict(scheduling_policy="priority")
-    inputs = (f"SmolLM2-135M, {engine_args}; prompts {[i for wave in CAPSTONE_WAVES for i, _ in wave]} of "
+    inputs = (f"SmolLM2-135M, {CAPSTONE_ENGINE}; prompts {[i for wave in CAPSTONE_WAVES for i, _ in wave]} of "
               f"CAPSTONE_PROMPTS in two waves, {CAPSTONE_TOKENS} new tokens each; prompt {CAPSTONE_SAMPLED} sampled "
               f"(temperature 0.8, top_p 0.8, min_p 0.1, seed 5)")
-    with swap_in(impl, REFERENCE) as mine:  # your Scheduler, allocate_or_preempt, prepare_inputs, filters, engine_step
+    # Your Scheduler, allocate_or_preempt, prepare_inputs, sampling_rows (in the runner and the scheduler), filters
+    # and engine_step: the engine is built inside, so its core is made of them.
+    with swap_in(impl, REFERENCE) as mine:
         engine = capstone_engine()
-        steps = record_schedules(engine)
+        core = engine.engine_core.engine_core
+        steps = record_schedules(core)
         tokens: dict[int, list[int]] = {}
         for wave in CAPSTONE_WAVES:
             for i, priority in wave:
-                engine.add_request(f"p{i}", CAPSTONE_PROMPTS[i], SAMPLED if i == CAPSTONE_SAMPLED else GREEDY, priority)
+                params = SAMPLED if i == CAPSTONE_SAMPLED else GREEDY
+                engine.add_request(f"p{i}", CAPSTONE_PROMPTS[i], params, priority)  # the front end's processor
             for _ in range(2 if wave is CAPSTONE_WAVES[0] else 400):
-                if not engine.has_unfinished_requests():
+                if not core.has_unfinished_requests():
                     break
-                for output in mine.engine_step(engine):
-                    tokens.setdefault(int(output.request_id[1:]), []).extend(output.outputs[0].token_ids)
-        preemptions = engine.scheduler.num_preemptions
-        used = engine.kv_cache_manager.num_used_blocks
+                for output in mine.engine_step(core).outputs:
+                    tokens.setdefault(int(output.request_id[1:]), []).extend(output.new_token_ids)
+        preemptions = core.scheduler.num_preemptions
+        used = core.scheduler.kv_cache_manager.num_used_blocks
     chunks = [entry for batch_, _ in steps for entry in batch_ if entry[2] + entry[1] < entry[3]]
     resumed = [seq_id for _, ids in steps for seq_id in ids]
     assert preemptions > 0, f"{inputs}: the capstone expects preemptions; your scheduler made none"

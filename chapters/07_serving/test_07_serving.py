@@ -21,8 +21,9 @@ from grading.tiny_models import tiny_checkpoint
 from benchmarks import serving as serving_benchmark
 from solutions import LLM, SamplingParams
 from solutions.engine import async_llm, core
-from solutions.engine.llm_engine import LLMEngine
+from solutions.engine.arg_utils import EngineArgs
 from solutions.entrypoints.openai import serving_engine
+from solutions.executor.abstract import Executor
 from solutions.outputs import CompletionOutput, FinishReason, Logprob, RequestOutput
 
 REFERENCE = {
@@ -46,6 +47,15 @@ def tiny_llm() -> LLM:
     return LLM(model=str(tiny_checkpoint("llama-gqa")), block_size=4, max_model_len=256)
 
 
+def tiny_core() -> core.EngineCoreProc:
+    """A fresh engine core on the tiny model, as a front end would start it: EngineArgs -> VllmConfig -> core."""
+    config = EngineArgs(
+        model=str(tiny_checkpoint("llama-gqa")), block_size=4, num_kv_blocks=64, max_num_seqs=8,
+        max_num_batched_tokens=64, max_model_len=256, long_prefill_token_threshold=64,
+    ).create_engine_config()
+    return core.EngineCoreProc(config, Executor.get_class(config))
+
+
 def offline(prompt: list[int], max_tokens: int) -> list[int]:
     """The reference answer: `LLM.generate`, one request alone."""
     params = SamplingParams(max_tokens=max_tokens, **GREEDY)
@@ -64,10 +74,7 @@ class LoopUnderTest:
     """`impl.run_busy_loop` on a fresh engine core (tiny model), in a thread, fed and read through two queues."""
 
     def __init__(self, impl, messages=(), parent_alive=lambda: True) -> None:
-        self.core = core.EngineCore(LLMEngine(
-            tiny_llm().model, None, block_size=4, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=64,
-            max_model_len=256, long_prefill_token_threshold=64,
-        ))
+        self.core = tiny_core()
         self.input_queue, self.output_queue = queue.Queue(), queue.Queue()
         for message in messages:
             self.input_queue.put(message)
@@ -113,16 +120,18 @@ def step_messages(messages: list) -> list:
 
 
 def tokens_by_request(messages: list) -> dict[str, list[int]]:
+    """The token ids each request got, over the messages (the core speaks token ids: one EngineCoreOutput per
+    sample per step)."""
     tokens: dict[str, list[int]] = {}
     for message in step_messages(messages):
         for output in message.outputs:
-            tokens.setdefault(output.request_id, []).extend(output.outputs[0].token_ids)
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
     return tokens
 
 
 def finished(*request_ids: str):
     def done(messages: list) -> bool:
-        ended = {o.request_id for m in step_messages(messages) for o in m.outputs if o.finished}
+        ended = {o.request_id for m in step_messages(messages) for o in m.outputs if o.finish_reason is not None}
         return ended >= set(request_ids)
 
     return done
@@ -181,7 +190,7 @@ def test_run_busy_loop_stops_at_shutdown_even_while_busy(impl):
     loop = LoopUnderTest(impl, [add("r", list(range(10, 20)), 200)])
     loop.messages_until(lambda m: len(step_messages(m)) >= 1, inputs)
     loop.stop(inputs)  # raises unless the loop returns within 5 s
-    expect_equal(loop.core.engine.has_unfinished_requests(), True, inputs=f"{inputs}; the request is left unfinished")
+    expect_equal(loop.core.has_unfinished_requests(), True, inputs=f"{inputs}; the request is left unfinished")
 
 
 @pytest.mark.exercise("run_busy_loop")

@@ -18,6 +18,7 @@ import torch
 from grading import exercising, expect_equal
 from grading.capstone import CAPSTONE_PROMPTS, generate_batch, smollm2, smollm2_greedy, swap_in
 from solutions import SamplingParams, StructuredOutputsParams
+from solutions.engine.arg_utils import EngineArgs
 from solutions.engine.llm_engine import LLMEngine
 from solutions.outputs import FinishReason
 from solutions.structured_output import bitmask, choice
@@ -387,13 +388,14 @@ def capstone_requests(tokenizer) -> list[tuple[str | list[int], SamplingParams]]
 @pytest.mark.exercise("capstone")
 @pytest.mark.timeout(180)  # a real model: a few seconds on an idle machine
 def test_capstone_your_masks_in_the_engine_give_valid_json_and_choices_on_smollm2(impl):
-    model, tokenizer = smollm2()
+    _, tokenizer = smollm2()
     requests = capstone_requests(tokenizer)
     inputs = (f"SmolLM2-135M, one batch: JSON schema {json.dumps(PERSON)} at temperature 1, seeds {JSON_SEEDS}; "
               f"choice {CHOICES} at temperature 1, n={CHOICE_SAMPLES}; CAPSTONE_PROMPTS[{GREEDY_PROMPT}] greedy, "
               f"{GREEDY_TOKENS} tokens, unconstrained")
-    with swap_in(impl, REFERENCE):  # your masks, applied by the engine's sampler; your ChoiceGrammar for `choice`
-        engine = LLMEngine(model, tokenizer, **CAPSTONE_ENGINE)  # fresh: no request of an earlier run left in it
+    with swap_in(impl, REFERENCE):  # your masks, applied by the model runner before it samples; your ChoiceGrammar
+        # Fresh, built inside the swap: no request of an earlier run left in it, and its core made with your pieces.
+        engine = LLMEngine.from_engine_args(EngineArgs(model="smollm2-135m", **CAPSTONE_ENGINE))
         try:
             outputs = generate_batch(engine, requests)
         except RuntimeError as error:
@@ -403,6 +405,8 @@ def test_capstone_your_masks_in_the_engine_give_valid_json_and_choices_on_smollm
                 f"on input {inputs}: {error}. A mask row allowed a token its grammar does not: look at the bit order "
                 "(pack_token_bitmask, apply_token_bitmask), at which row is read, and at whether fill_bitmask "
                 "writes its row") from None
+        finally:
+            engine.shutdown()
     for seed, output in zip(JSON_SEEDS, outputs, strict=False):
         text = output.outputs[0].text
         where = f"{inputs}; the JSON output of seed {seed}, {text!r}"

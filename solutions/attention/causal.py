@@ -6,7 +6,13 @@ gathered through a block table); once they hold a sequence's K/V they all call `
 
 import torch
 
-from solutions.model.layers import repeat_kv
+
+def repeat_kv(x: torch.Tensor, num_queries_per_kv: int) -> torch.Tensor:
+    """Grouped-query attention: repeat each K/V head (T, Hkv, D) for the query heads that share it -> (T, Hq, D).
+
+    Query head h reads K/V head h // num_queries_per_kv, so copies of one head must sit side by side.
+    """
+    return x.repeat_interleave(num_queries_per_kv, dim=1)  # (T, Hq, D)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from solutions.model.loader import cache_dir
+from solutions.envs import cache_dir
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -55,7 +55,9 @@ def _library() -> ctypes.CDLL:
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-        build = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"], capture_output=True, text=True)
+        build = subprocess.run(
+            [compiler, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"], capture_output=True, text=True
+        )
         if build.returncode != 0:
             raise RuntimeError(f"compiling {SOURCE.name} failed:\n{build.stderr}")
         os.replace(partial, target)  # atomic: a concurrent build never loads half a file

@@ -74,7 +74,9 @@ def compiled_paged_decode_attention(
         block_tables = torch.cat([block_tables, block_tables.new_zeros(2 - Bd, block_tables.shape[1])])
         seq_lens = torch.cat([seq_lens, seq_lens.new_ones(2 - Bd)])
     if block_tables.shape[1] < 2:
-        block_tables = torch.cat([block_tables, block_tables.new_zeros(block_tables.shape[0], 2 - block_tables.shape[1])], 1)
+        block_tables = torch.cat(
+            [block_tables, block_tables.new_zeros(block_tables.shape[0], 2 - block_tables.shape[1])], 1
+        )
     return _compiled(q, key_cache, value_cache, block_tables, seq_lens, scale)[:Bd]
 
 

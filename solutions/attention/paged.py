@@ -16,11 +16,19 @@ Where this lives in vLLM: `vllm/v1/attention/backends/` (metadata), `vllm/v1/att
 
 import functools
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from solutions.attention.causal import causal_attention
-from solutions.model.config import ModelConfig
+
+
+class KVCacheShape(Protocol):
+    """What the KV cache needs of a model's config (`solutions/model/config.py`'s `ModelConfig` has it)."""
+
+    num_hidden_layers: int
+    num_key_value_heads: int
+    head_dim: int
 
 
 @dataclass
@@ -32,7 +40,7 @@ class KVCache:
 
     @classmethod
     def allocate(
-        cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
+        cls, config: KVCacheShape, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> "KVCache":
         """Zeroed pools in the model's dtype, on its device (the kernels read and write them in place)."""
@@ -46,7 +54,7 @@ class KVCache:
         )
 
     @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype = torch.float32) -> int:
+    def bytes_per_block(config: KVCacheShape, block_size: int, dtype: torch.dtype = torch.float32) -> int:
         """K and V of one block in every layer: what sizing the pool from a memory budget divides by."""
         element_size = torch.empty((), dtype=dtype).element_size()
         return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * element_size

@@ -80,7 +80,9 @@ class TorchAttentionBackend:
         write_to_kv_cache(k, v, key_cache, value_cache, self.slot_mapping)
         scale = q.shape[-1] ** -0.5
         if len(self.decodes) == q.shape[0]:  # a pure decode step (most steps): row b is sequence b's token
-            return self.decode_attention(q, key_cache, value_cache, self.decode_block_tables, self.decode_seq_lens, scale)
+            return self.decode_attention(
+                q, key_cache, value_cache, self.decode_block_tables, self.decode_seq_lens, scale
+            )
         out = torch.empty_like(q)
         if self.decodes:
             out[self.decode_rows] = self.decode_attention(
@@ -93,7 +95,8 @@ class TorchAttentionBackend:
                 out[rows] = causal_self_attention(q[rows], k[rows], v[rows], scale)
             else:
                 block_table = self.metadata.block_tables[b]
-                keys, values = gather_kv(key_cache, block_table, seq_lens[b]), gather_kv(value_cache, block_table, seq_lens[b])
+                keys = gather_kv(key_cache, block_table, seq_lens[b])
+                values = gather_kv(value_cache, block_table, seq_lens[b])
                 out[rows] = causal_context_attention(q[rows], keys, values, scale)
         return out
 

@@ -22,8 +22,8 @@ where a contiguous allocator would also need one hole that large. The comparison
 slightly: a real contiguous allocator admits at most as many requests as this one.
 
 A forked sample (`n > 1`, beam search) would share its parent's reserved blocks past the prompt and write into
-them; Orca reserves per sequence, so n > 1 is refused (ValueError at `add_request`, by the processor), and a sequence that never
-got a reservation (beam search's) stops at its first allocation with a RuntimeError.
+them; Orca reserves per sequence, so n > 1 is refused (ValueError at `add_request`, by the processor), and a
+sequence that never got a reservation (beam search's) stops at its first allocation with a RuntimeError.
 vLLM has no such mode; its paper's Orca numbers come from a separate implementation (§6.1).
 """
 

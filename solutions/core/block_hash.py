@@ -37,7 +37,9 @@ def hash_block_tokens(parent_block_hash: BlockHash | None, token_ids: Sequence[i
     return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
 
 
-def extend_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int], num_tokens: int, block_size: int) -> None:
+def extend_block_hashes(
+    block_hashes: list[BlockHash], token_ids: Sequence[int], num_tokens: int, block_size: int
+) -> None:
     """Append to `block_hashes` the hash of every block that is full within `token_ids[:num_tokens]`.
 
     The hashes already there are kept (a sequence's hashes only ever grow), so each block is hashed once.

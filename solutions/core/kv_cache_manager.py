@@ -74,7 +74,9 @@ class KVCacheManager(BlockManager):
         blocks = [self.block_pool.blocks[block_id] for block_id in parent.block_table]
         for block in blocks:
             if block.ref_cnt <= 0:
-                raise RuntimeError(f"sequence {parent.seq_id} holds block {block.block_id}, whose ref_cnt is {block.ref_cnt}")
+                raise RuntimeError(
+                    f"sequence {parent.seq_id} holds block {block.block_id}, whose ref_cnt is {block.ref_cnt}"
+                )
             block.ref_cnt += 1
         child.block_table.extend(parent.block_table)
 

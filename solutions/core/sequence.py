@@ -33,7 +33,9 @@ class SequenceStatus(Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH_CAPPED, SequenceStatus.FINISHED_ABORTED)
+        return self in (
+            SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH_CAPPED, SequenceStatus.FINISHED_ABORTED
+        )
 
 
 class Sequence:
@@ -65,7 +67,9 @@ class Sequence:
         "grammar",
     )
 
-    def __init__(self, seq_id: int, prompt_token_ids: list[int], *, priority: int = 0, arrival: int | None = None) -> None:
+    def __init__(
+        self, seq_id: int, prompt_token_ids: list[int], *, priority: int = 0, arrival: int | None = None
+    ) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError(f"prompt_token_ids of sequence {seq_id} must hold at least one token, got []")
         self.seq_id: int = seq_id

@@ -77,7 +77,9 @@ class EngineCore:
         seq = Sequence(next(self._seq_ids), request.prompt_token_ids, priority=request.priority, arrival=arrival)
         seq.request_id, seq.sampling_params = request.request_id, params
         # Unseeded requests draw from the engine's seed; a seeded request's i-th sample uses seed + i (as vLLM).
-        seq.seed = self.vllm_config.model_config.seed * 1_000_003 + arrival * 1_009 if params.seed is None else params.seed
+        seq.seed = (
+            self.vllm_config.model_config.seed * 1_000_003 + arrival * 1_009 if params.seed is None else params.seed
+        )
         seq.generator = torch.Generator().manual_seed(seq.seed)
         if params.structured_outputs is not None:
             (seq.grammar,) = self.structured_output_manager.grammar_init(params.structured_outputs, 1)

@@ -84,7 +84,9 @@ def check_stop_strings(text: str, num_new_chars: int, stop: list[str]) -> tuple[
 class RequestState:
     """Everything the output processor keeps for one request until it finishes."""
 
-    def __init__(self, prompt: str | None, request: EngineCoreRequest, tokenizer: PreTrainedTokenizerBase | None) -> None:
+    def __init__(
+        self, prompt: str | None, request: EngineCoreRequest, tokenizer: PreTrainedTokenizerBase | None
+    ) -> None:
         self.request_id, self.prompt, self.prompt_token_ids = request.request_id, prompt, request.prompt_token_ids
         self.params: SamplingParams = request.sampling_params
         self.tokenizer = tokenizer

@@ -43,7 +43,9 @@ class Processor:
         if not isinstance(request_id, str) or not request_id:
             raise ParameterError(f"request_id must be a non-empty string, got {request_id!r}", "request_id")
         if not isinstance(params, SamplingParams):
-            raise ParameterError(f"sampling_params must be a SamplingParams, got {type(params).__name__}", "sampling_params")
+            raise ParameterError(
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}", "sampling_params"
+            )
         self._validate_priority(priority)
         text, token_ids = self._tokenize(request_id, prompt)
         self._validate_length(request_id, token_ids, params)
@@ -67,7 +69,9 @@ class Processor:
 
     def _validate_length(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
-            raise ParameterError(f"prompt of request {request_id!r} is empty: it must hold at least one token", "prompt")
+            raise ParameterError(
+                f"prompt of request {request_id!r} is empty: it must hold at least one token", "prompt"
+            )
         if (bad := next((t for t in token_ids if not 0 <= t < self.vocab_size), None)) is not None:
             raise ParameterError(
                 f"prompt_token_ids of request {request_id!r} must lie in [0, {self.vocab_size}), found {bad}", "prompt"

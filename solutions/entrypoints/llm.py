@@ -54,7 +54,10 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(params) != len(prompts):
             raise ParameterError(
@@ -84,7 +87,9 @@ class LLM:
         return [finished[request_id] for request_id, *_ in requests]
 
     def chat(
-        self, messages: list[dict[str, str]] | list[list[dict[str, str]]], sampling_params: SamplingParams | None = None,
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to conversations (`[{"role": "user", "content": ...}, ...]`), formatted with the
@@ -92,7 +97,9 @@ class LLM:
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise ValueError("chat needs a tokenizer with a chat template; this model has none, use generate")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+        prompts = [
+            self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(self, prompts: Seq[str | list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:

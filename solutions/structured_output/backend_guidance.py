@@ -67,12 +67,16 @@ class GuidanceBackend:
                 return llguidance.LLMatcher.grammar_from_regex(params.regex)
             return llguidance.LLMatcher.grammar_from_lark(params.grammar)
         except ValueError as error:  # json.JSONDecodeError is a ValueError too
-            raise ParameterError(f"StructuredOutputsParams.{kind} is not valid: {error}", "structured_outputs") from error
+            raise ParameterError(
+                f"StructuredOutputsParams.{kind} is not valid: {error}", "structured_outputs"
+            ) from error
 
     def validate_grammar(self, params: StructuredOutputsParams) -> None:
         """The front end's check, before anything is queued: ParameterError naming the field if `params` is not
         valid for this vocabulary (vLLM: `validate_guidance_grammar`)."""
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(self.grammar_text(params), self.ll_tokenizer)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+            self.grammar_text(params), self.ll_tokenizer
+        )
         if is_error:
             raise ParameterError(
                 f"StructuredOutputsParams.{params.kind} is not valid: {'; '.join(messages)}", "structured_outputs"

@@ -33,7 +33,9 @@ class TokenTexts:
     eos_token_id: int | None
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_id: int | None) -> "TokenTexts":
+    def from_tokenizer(
+        cls, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_id: int | None
+    ) -> "TokenTexts":
         texts = tokenizer.batch_decode([[i] for i in range(vocab_size)], skip_special_tokens=True)
         ids_by_text: dict[str, list[int]] = {}
         for token_id, text in enumerate(texts):

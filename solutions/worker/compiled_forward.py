@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import torch
 import torch._inductor.config as inductor_config
 
-from solutions.model.llama import AttentionBackend, LlamaForCausalLM
+from solutions.attention.backend import AttentionBackend
+from solutions.model.llama import LlamaForCausalLM
 
 MIN_ROWS = 2  # sizes 0 and 1 are specialised by dynamo: a lone token is padded to this many rows
 

@@ -193,4 +193,6 @@ class ModelRunner:
             input_ids = torch.zeros(len(slots), dtype=torch.long)
             backend = self.backend_cls(self.kv_cache, metadata)
             last_rows = metadata.query_start_loc[1:] - 1
-            self.compiled_forward(input_ids.to(self.device), positions.to(self.device), last_rows.to(self.device), backend)
+            self.compiled_forward(
+                input_ids.to(self.device), positions.to(self.device), last_rows.to(self.device), backend
+            )

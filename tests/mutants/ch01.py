@@ -9,7 +9,8 @@ import torch
 
 from solutions.attention.causal import causal_attention
 from solutions.baselines.naive import decoder_layer, forward
-from solutions.model.layers import apply_rope, repeat_kv, rms_norm
+from solutions.attention.causal import repeat_kv
+from solutions.model.layers import apply_rope, rms_norm
 
 # --- rms_norm ------------------------------------------------------------------------------------------------
 

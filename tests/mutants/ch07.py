@@ -13,7 +13,7 @@ import numpy as np
 from benchmarks.serving import RequestTimeline, normalized_latency, serving_metrics, summary
 from solutions.engine.async_llm import RequestOutputCollector
 from solutions.engine.async_llm import merge_delta as reference_merge_delta
-from solutions.engine.core import IDLE_POLL_SECONDS, EngineCore, MessageQueue
+from solutions.engine.core import IDLE_POLL_SECONDS, EngineCoreProc, MessageQueue
 from solutions.entrypoints.openai.serving_engine import ClientDisconnected, wait_for_disconnect
 from solutions.outputs import RequestOutput
 
@@ -22,12 +22,12 @@ T = TypeVar("T")
 # --- run_busy_loop -------------------------------------------------------------------------------------------------
 
 
-def _loop(core: EngineCore, input_queue: MessageQueue, output_queue: MessageQueue, parent_alive: Callable[[], bool],
+def _loop(core: EngineCoreProc, input_queue: MessageQueue, output_queue: MessageQueue, parent_alive: Callable[[], bool],
           *, drain_one: bool = False, report_idle: bool = True, block: bool = True, stop_when_busy: bool = True,
           watch_parent: bool = True) -> None:
     """The reference loop, with switches for what the mutants below get wrong."""
     while True:
-        while not core.engine.has_unfinished_requests():
+        while not core.has_unfinished_requests():
             if report_idle:
                 core.report_idle(output_queue)
             try:
@@ -47,36 +47,36 @@ def _loop(core: EngineCore, input_queue: MessageQueue, output_queue: MessageQueu
                 return
             if drain_one:
                 break
-        if core.engine.has_unfinished_requests():
+        if core.has_unfinished_requests():
             output_queue.put(core.step())
 
 
-def run_busy_loop_one_message_per_step(core: EngineCore, input_queue: MessageQueue, output_queue: MessageQueue,
+def run_busy_loop_one_message_per_step(core: EngineCoreProc, input_queue: MessageQueue, output_queue: MessageQueue,
                                        parent_alive: Callable[[], bool]) -> None:
     """Takes at most one waiting message before each step: requests that arrived together join over several steps."""
     _loop(core, input_queue, output_queue, parent_alive, drain_one=True)
 
 
-def run_busy_loop_never_reports_idle(core: EngineCore, input_queue: MessageQueue, output_queue: MessageQueue,
+def run_busy_loop_never_reports_idle(core: EngineCoreProc, input_queue: MessageQueue, output_queue: MessageQueue,
                                      parent_alive: Callable[[], bool]) -> None:
     """Sends stats only with a step: after an abort the gauges keep the last step's running requests and blocks."""
     _loop(core, input_queue, output_queue, parent_alive, report_idle=False)
 
 
-def run_busy_loop_polls_while_idle(core: EngineCore, input_queue: MessageQueue, output_queue: MessageQueue,
+def run_busy_loop_polls_while_idle(core: EngineCoreProc, input_queue: MessageQueue, output_queue: MessageQueue,
                                    parent_alive: Callable[[], bool]) -> None:
     """Asks the input queue without waiting, over and over, while idle: a core spinning on a CPU it needs."""
     _loop(core, input_queue, output_queue, parent_alive, block=False)
 
 
-def run_busy_loop_finishes_the_batch_before_stopping(core: EngineCore, input_queue: MessageQueue,
+def run_busy_loop_finishes_the_batch_before_stopping(core: EngineCoreProc, input_queue: MessageQueue,
                                                      output_queue: MessageQueue,
                                                      parent_alive: Callable[[], bool]) -> None:
     """Notices SHUTDOWN only once idle: a shutdown waits for every running request to finish."""
     _loop(core, input_queue, output_queue, parent_alive, stop_when_busy=False)
 
 
-def run_busy_loop_outlives_its_front_end(core: EngineCore, input_queue: MessageQueue, output_queue: MessageQueue,
+def run_busy_loop_outlives_its_front_end(core: EngineCoreProc, input_queue: MessageQueue, output_queue: MessageQueue,
                                         parent_alive: Callable[[], bool]) -> None:
     """Never asks whether the front end is alive: an orphaned core waits for a SHUTDOWN nobody will send."""
     _loop(core, input_queue, output_queue, parent_alive, watch_parent=False)

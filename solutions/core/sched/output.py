@@ -43,7 +43,8 @@ class SchedulerOutput:
     new_seq_ids: list[int] = field(default_factory=list)  # admitted from the waiting queue for the first time
     resumed_seq_ids: list[int] = field(default_factory=list)  # admitted again after a preemption
     preempted_seq_ids: list[int] = field(default_factory=list)  # sent back to the waiting queue this step
-    num_cached_tokens: dict[int, int] = field(default_factory=dict)  # admitted seq_id -> tokens found in the prefix cache
+    # admitted seq_id -> tokens found in the prefix cache
+    num_cached_tokens: dict[int, int] = field(default_factory=dict)
     num_prefill_tokens: int = 0  # scheduled tokens of sequences catching up with a prompt (or a recompute)
     num_decode_tokens: int = 0  # scheduled tokens that are one sequence's single newest token
     forked_seqs: dict[int, list[Sequence]] = field(default_factory=dict)  # seq_id -> samples forked from it this step

@@ -36,7 +36,7 @@ Where this lives in vLLM: `vllm/v1/core/sched/scheduler.py` (`Scheduler.schedule
 
 import importlib
 import time
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 import torch
 
@@ -55,7 +55,9 @@ from solutions.core.sched.stop import check_stop
 from solutions.core.sequence import Sequence, SequenceStatus
 from solutions.metrics.stats import SchedulerStats
 from solutions.outputs import FinishReason
-from solutions.structured_output import StructuredOutputManager
+
+if TYPE_CHECKING:  # the engine core hands it in; the scheduler sits below it
+    from solutions.structured_output import StructuredOutputManager
 
 FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: FinishReason.STOP,
@@ -82,12 +84,13 @@ class SchedulerBase:
         policy: SchedulingPolicy = SchedulingPolicy.FCFS,
         max_model_len: int | None = None,
         eos_token_id: int | None = None,
-        structured_output_manager: StructuredOutputManager | None = None,
+        structured_output_manager: "StructuredOutputManager | None" = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs  # at most this many sequences running at once
         self.max_num_batched_tokens = max_num_batched_tokens  # the token budget of one step
-        self.long_prefill_token_threshold = long_prefill_token_threshold  # at most this many tokens per sequence per step
+        # at most this many tokens per sequence per step
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.policy = policy
         self.max_model_len, self.eos_token_id = max_model_len, eos_token_id  # for the stop checks
         self.structured_output_manager = structured_output_manager
@@ -98,7 +101,7 @@ class SchedulerBase:
         self._reported_queries = self._reported_hits = 0  # prefix-cache lookups already in a SchedulerStats
 
     @classmethod
-    def from_config(cls, vllm_config: VllmConfig, structured_output_manager: StructuredOutputManager) -> Self:
+    def from_config(cls, vllm_config: VllmConfig, structured_output_manager: "StructuredOutputManager") -> Self:
         """The scheduler of an engine, with the KV cache manager its config names."""
         cache, sched = vllm_config.cache_config, vllm_config.scheduler_config
         module_name, _, class_name = cache.kv_cache_manager_cls.rpartition(".")
@@ -284,7 +287,9 @@ class SchedulerBase:
         seconds = {"schedule": schedule_seconds, **model_output.seconds, "postprocess": time.perf_counter() - start}
         return EngineCoreOutputs(outputs, self.make_stats(scheduler_output, seconds))
 
-    def make_stats(self, scheduler_output: SchedulerOutput | None = None, seconds: dict | None = None) -> SchedulerStats:
+    def make_stats(
+        self, scheduler_output: SchedulerOutput | None = None, seconds: dict | None = None
+    ) -> SchedulerStats:
         """The scheduler's state now, what the step did (if one ran), and the prefix-cache lookups since the last
         report."""
         cache_stats, manager = self.kv_cache_manager.prefix_cache_stats, self.kv_cache_manager

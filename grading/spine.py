@@ -1,0 +1,106 @@
+"""The picture of the engine's spine on the course site (docs/spine.md), drawn from a live engine.
+
+    python -m grading.spine        # rewrite docs/spine.md
+
+Each object is reached from `LLM` by the attribute path shown, and its class and file are read off the object
+itself, so the picture cannot drift from the code: `tests/test_spine.py` draws it again and requires the stored
+page to be the same. The vLLM column is the file where vLLM keeps the same object (vLLM 0.32).
+"""
+
+import inspect
+from pathlib import Path
+
+import solutions
+
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "spine.md"
+SOLUTIONS = Path(solutions.__file__).resolve().parent
+
+# (attribute path from the LLM, what it owns or does, vLLM's file for the same object)
+EDGES = [
+    ("llm_engine", "the offline front end: no scheduler, no model", "vllm/v1/engine/llm_engine.py"),
+    ("llm_engine.vllm_config", "every option, checked and resolved once (`EngineArgs.create_engine_config()`)",
+     "vllm/config/vllm.py"),
+    ("llm_engine.processor", "validates and tokenises a request, once", "vllm/v1/engine/processor.py"),
+    ("llm_engine.output_processor", "detokenises, checks stop strings, makes `RequestOutput`s",
+     "vllm/v1/engine/output_processor.py"),
+    ("llm_engine.engine_core", "the client: in-process here; a process or a thread under `AsyncLLM`",
+     "vllm/v1/engine/core_client.py"),
+    ("llm_engine.engine_core.engine_core", "owns the step: schedule → execute → sample → update",
+     "vllm/v1/engine/core.py"),
+    ("llm_engine.engine_core.engine_core.scheduler", "decides each step's batch; `update_from_output`",
+     "vllm/v1/core/sched/scheduler.py"),
+    ("llm_engine.engine_core.engine_core.scheduler.waiting", "the waiting queue (FCFS or priority)",
+     "vllm/v1/core/sched/request_queue.py"),
+    ("llm_engine.engine_core.engine_core.scheduler.kv_cache_manager", "blocks for each sequence; prefix caching",
+     "vllm/v1/core/kv_cache_manager.py"),
+    ("llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool", "the blocks and the free queue",
+     "vllm/v1/core/block_pool.py"),
+    ("llm_engine.engine_core.engine_core.structured_output_manager", "grammars and their token masks",
+     "vllm/v1/structured_output/__init__.py"),
+    ("llm_engine.engine_core.engine_core.model_executor", "runs the model on one or several ranks",
+     "vllm/v1/executor/uniproc_executor.py"),
+    ("llm_engine.engine_core.engine_core.model_executor.model_runner", "inputs, forward pass, sampling",
+     "vllm/v1/worker/gpu_model_runner.py"),
+    ("llm_engine.engine_core.engine_core.model_executor.model_runner.model", "the Llama-family model",
+     "vllm/model_executor/models/llama.py"),
+    ("llm_engine.engine_core.engine_core.model_executor.model_runner.kv_cache", "each layer's K and V blocks (vLLM: its `kv_caches`)",
+     "vllm/v1/worker/gpu_model_runner.py"),
+]
+
+
+def _resolve(root: object, path: str) -> object:
+    for name in path.split("."):
+        root = getattr(root, name)
+    return root
+
+
+def _file(obj: object) -> str:
+    source = Path(inspect.getsourcefile(type(obj))).resolve()
+    return f"solutions/{source.relative_to(SOLUTIONS).as_posix()}"
+
+
+def draw(llm: object) -> str:
+    """The page: a tree of the objects an `LLM` holds, then the step's own source."""
+    from solutions.engine.core import engine_step
+
+    lines = [
+        "# The engine's spine",
+        "",
+        "Which object owns what, from `LLM` down, read off a live engine by `python -m grading.spine` (a test draws "
+        "it again and compares), each beside the file where vLLM keeps the same object.",
+        "",
+        "| object (attribute path from `LLM`) | class | our file | what it owns or does | vLLM |",
+        "|---|---|---|---|---|",
+        f"| `llm` | `{type(llm).__name__}` | `{_file(llm)}` | the offline entry point | `vllm/entrypoints/llm.py` |",
+    ]
+    for path, role, vllm_file in EDGES:
+        obj = _resolve(llm, path)
+        depth = path.count(".")
+        name = "&nbsp;&nbsp;" * depth + "└ `." + path.rsplit(".", 1)[-1] + "`"
+        lines.append(f"| {name} | `{type(obj).__name__}` | `{_file(obj)}` | {role} | `{vllm_file}` |")
+    lines += [
+        "",
+        "The server's `AsyncLLM` (`solutions/engine/async_llm.py`, vLLM's `vllm/v1/engine/async_llm.py`) has the same "
+        "processor and output processor, and an `MPClient` or `ThreadClient` whose engine core, an `EngineCoreProc`, "
+        "runs the same step in a busy loop of its own.",
+        "",
+        "## One step, as `EngineCore.step` runs it",
+        "",
+        "```python",
+        inspect.getsource(engine_step).rstrip(),
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def build() -> str:
+    from grading.tiny_models import tiny_checkpoint
+    from solutions import LLM
+
+    return draw(LLM(model=str(tiny_checkpoint("llama-gqa")), block_size=4, num_kv_blocks=8))
+
+
+if __name__ == "__main__":
+    PAGE.write_text(build())
+    print(f"wrote {PAGE}")
