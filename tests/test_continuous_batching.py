@@ -21,6 +21,9 @@ from solutions.model.loader import resolve_model
 NEW_TOKENS = 24
 
 
+def core(llm: LLM):
+    """The engine core behind `llm` (its scheduler, KV cache manager and model executor)."""
+    return llm.llm_engine.engine_core.engine_core
 
 
 def mixed_prompts(count: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
@@ -69,15 +72,15 @@ def test_tiny_greedy_equals_hugging_face(model, config):
     prompts = mixed_prompts(32, 256, seed=1)
     llm, tokens = run_config(folder, prompts, config)
     check_against_hf(folder, prompts, tokens)
-    engine = llm.llm_engine
-    assert engine.kv_cache_manager.num_used_blocks == 0, "every block is free once all requests finish"
+    engine, scheduler = llm.llm_engine, core(llm).scheduler
+    assert scheduler.kv_cache_manager.num_used_blocks == 0, "every block is free once all requests finish"
     if config == "preemption":
-        assert engine.scheduler.num_preemptions >= 5, "the KV budget forces preemptions"
+        assert scheduler.num_preemptions >= 5, "the KV budget forces preemptions"
     if config == "chunked-prefill":
         assert max(s.num_prefill_tokens + s.num_decode_tokens for s in engine.stats.steps) <= 24
         assert any(s.num_prefill_tokens and s.num_decode_tokens for s in engine.stats.steps), "chunks share steps with decodes"
     if config == "prefix-caching":
-        assert engine.kv_cache_manager.prefix_cache_stats.hits > 0
+        assert scheduler.kv_cache_manager.prefix_cache_stats.hits > 0
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +93,7 @@ def test_smollm2_greedy_equals_hugging_face(config, smollm2_prompts):
     folder = resolve_model("smollm2-135m")
     llm, tokens = run_config(folder, smollm2_prompts, config)
     check_against_hf(folder, smollm2_prompts, tokens)
-    assert llm.llm_engine.kv_cache_manager.num_used_blocks == 0
+    assert core(llm).scheduler.kv_cache_manager.num_used_blocks == 0
 
 
 def test_requests_added_mid_decode_equal_hugging_face():
@@ -133,7 +136,7 @@ def test_overload_500_requests_through_room_for_10():
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
     assert got == expected
     engine = tight.llm_engine
-    assert engine.kv_cache_manager.num_used_blocks == 0 and not engine.has_unfinished_requests()
+    assert core(tight).scheduler.kv_cache_manager.num_used_blocks == 0 and not engine.has_unfinished_requests()
     assert max(s.num_running for s in engine.stats.steps) <= 40
 
 
@@ -157,11 +160,11 @@ def test_abort_in_every_state_frees_everything(state):
         llm = LLM(model=str(folder), block_size=4, num_kv_blocks=14, max_model_len=56, enable_prefix_caching=False)
     else:
         llm = LLM(model=str(folder), block_size=4, max_num_batched_tokens=8, max_num_seqs=2, max_model_len=128)
-    engine = llm.llm_engine
+    engine, scheduler = llm.llm_engine, core(llm).scheduler
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     for i in range(3):
         engine.add_request(f"r{i}", list(range(1, 25 if state == "mid-prefill-chunk" else 9)), params)
-    seqs = {f"r{i}": engine.requests[f"r{i}"].request.seqs[0] for i in range(3)}
+    seqs = {f"r{i}": scheduler.requests[f"r{i}"][0] for i in range(3)}
     wanted = {
         "waiting": lambda: seqs["r2"].status is SequenceStatus.WAITING,
         "mid-prefill-chunk": lambda: 0 < seqs["r0"].num_computed_tokens < seqs["r0"].num_prompt_tokens,
@@ -178,7 +181,8 @@ def test_abort_in_every_state_frees_everything(state):
     while engine.has_unfinished_requests():
         for output in engine.step():
             outputs.setdefault(output.request_id, []).extend(output.outputs[0].token_ids)
-    assert victim not in engine.requests and engine.kv_cache_manager.num_used_blocks == 0
+    assert victim not in engine.output_processor.request_states and victim not in scheduler.requests
+    assert scheduler.kv_cache_manager.num_used_blocks == 0
     others = [r for r in seqs if r != victim]
     assert [len(outputs[r]) for r in others] == [30, 30], "the others finish normally"
 
@@ -196,12 +200,12 @@ def test_samples_of_n_count_against_max_num_seqs_from_admission():
         for output in engine.step():
             for completion in output.outputs:
                 tokens.setdefault((output.request_id, completion.index), []).extend(completion.token_ids)
-        running.append(len(engine.scheduler.running))
+        running.append(len(core(llm).scheduler.running))
     assert max(running) <= 4, f"running sequences per step: {running}"
     assert running[0] == 4, "n3 (3 seats) and r0 start together; r1 and r2 wait for a seat"
     assert sorted(tokens) == [("n3", 0), ("n3", 1), ("n3", 2), ("r0", 0), ("r1", 0), ("r2", 0)]
     assert all(len(t) == 5 for t in tokens.values()) and tokens[("n3", 0)] == tokens[("n3", 1)] == tokens[("n3", 2)]
-    assert engine.kv_cache_manager.num_used_blocks == 0
+    assert core(llm).scheduler.kv_cache_manager.num_used_blocks == 0
 
 
 @pytest.mark.parametrize(
@@ -232,7 +236,7 @@ def test_bad_input_is_named_and_requests_in_flight_finish(prompt, params, messag
     while engine.has_unfinished_requests():
         for output in engine.step():
             tokens += output.outputs[0].token_ids
-    assert len(tokens) == 10 and engine.kv_cache_manager.num_used_blocks == 0
+    assert len(tokens) == 10 and core(llm).scheduler.kv_cache_manager.num_used_blocks == 0
     assert tokens == llm.generate([[3, 4, 5]], ok, use_tqdm=False)[0].outputs[0].token_ids
 
 
@@ -242,7 +246,9 @@ def test_aborting_an_unknown_request_id_names_it_and_changes_nothing():
     engine.add_request("known", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4))
     with pytest.raises(ValueError, match=r"unknown request ids \['nope'\]"):
         engine.abort_request(["known", "nope"])
-    assert "known" in engine.requests  # the valid id in the same call was not aborted either
+    # the valid id in the same call was not aborted either, in the front end or in the engine core
+    assert "known" in engine.output_processor.request_states and "known" in core(llm).scheduler.requests
+    assert not core(llm).scheduler.requests["known"][0].is_finished
 
 
 # --- the batched attention paths against chapter 3's per-sequence oracle ------------------------------------

@@ -19,6 +19,11 @@ PROMPTS = [SHARED + [5, 6, 7], SHARED + [8], SHARED[:20] + [9, 9], SHARED + [5, 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
+def core(llm: LLM):
+    """The engine core behind `llm` (its scheduler, KV cache manager and model executor)."""
+    return llm.llm_engine.engine_core.engine_core
+
+
 @functools.cache
 def hf_greedy(folder: Path, prompt: tuple[int, ...], n: int) -> list[int]:
     with torch.inference_mode():
@@ -41,7 +46,7 @@ def test_greedy_tokens_equal_with_prefix_caching_on_and_off_cold_and_warm():
     cold = tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     warm = tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     assert cold == off and warm == off
-    stats = llm.llm_engine.kv_cache_manager.prefix_cache_stats
+    stats = core(llm).scheduler.kv_cache_manager.prefix_cache_stats
     assert stats.hits > 0 and 0 < stats.hit_rate < 1
     folder = tiny_checkpoint("llama-gqa")
     assert off == [[hf_greedy(folder, tuple(p), 12)] for p in PROMPTS]
@@ -73,7 +78,7 @@ def test_prefix_caching_under_memory_pressure_evicts_and_stays_correct():
     got = tokens(llm.generate(PROMPTS * 2, GREEDY, use_tqdm=False))
     folder = tiny_checkpoint("llama-gqa")
     assert got == [[hf_greedy(folder, tuple(p), 12)] for p in PROMPTS * 2]
-    assert llm.llm_engine.kv_cache_manager.num_used_blocks == 0
+    assert core(llm).scheduler.kv_cache_manager.num_used_blocks == 0
 
 
 # parallel sampling -----------------------------------------------------------------------------------------------
@@ -101,13 +106,13 @@ def test_n4_shares_the_prompt_blocks():
     # 49 prompt tokens + 10 outputs, block size 4: 15 blocks for one sample; four own copies would hold 60
     one = alone.llm_engine.stats.peak_blocks_used
     assert shared.llm_engine.stats.peak_blocks_used < 4 * one
-    assert shared.llm_engine.kv_cache_manager.num_used_blocks == 0
+    assert core(shared).scheduler.kv_cache_manager.num_used_blocks == 0
 
 
 def test_n4_with_a_partial_prompt_block_copies_on_write():
     llm = make_llm(False)
     llm.generate([PROMPTS[0]], SamplingParams(n=4, seed=3, **SAMPLED), use_tqdm=False)  # 43 tokens: 3 in the last block
-    assert llm.llm_engine.kv_cache_manager.num_blocks_copied == 3  # three of the four samples copy it
+    assert core(llm).scheduler.kv_cache_manager.num_blocks_copied == 3  # three of the four samples copy it
 
 
 # beams and caching -----------------------------------------------------------------------------------------------
@@ -121,6 +126,6 @@ def test_beam_search_is_the_same_with_prefix_caching_on_and_off_cold_and_warm():
     warm = llm.beam_search(PROMPTS[:3], params)
     for outs in (cold, warm):
         assert [[s.tokens for s in o.sequences] for o in outs] == [[s.tokens for s in o.sequences] for o in off]
-    assert llm.llm_engine.kv_cache_manager.prefix_cache_stats.hits > 0
+    assert core(llm).scheduler.kv_cache_manager.prefix_cache_stats.hits > 0
     # and the engine still generates the same afterwards
     assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == tokens(make_llm(False).generate(PROMPTS, GREEDY, use_tqdm=False))

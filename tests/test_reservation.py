@@ -12,6 +12,11 @@ MAX_MODEL_LEN = 64
 POLICIES = ("max", "pow2", "oracle")
 
 
+def core(llm: LLM):
+    """The engine core behind `llm` (its scheduler, KV cache manager and model executor)."""
+    return llm.llm_engine.engine_core.engine_core
+
+
 def engine_args(**overrides) -> dict:
     args = dict(block_size=BLOCK_SIZE, num_kv_blocks=64, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=16)
     return args | overrides
@@ -38,13 +43,13 @@ def prompt(length: int, offset: int = 0) -> list[int]:
 
 @pytest.mark.parametrize("policy, reserved", [("max", MAX_MODEL_LEN), ("pow2", 10 + 16), ("oracle", 10 + 9)])
 def test_the_whole_reservation_is_taken_at_admission_and_never_grows(llms, policy, reserved):
-    engine = llms[policy].llm_engine
+    engine, scheduler = llms[policy].llm_engine, core(llms[policy]).scheduler
     engine.add_request("r", prompt(10), greedy(max_tokens=9))
-    seq = engine.requests["r"].request.seqs[0]
+    seq = scheduler.requests["r"][0]
     used = []
     while engine.has_unfinished_requests():
         engine.step()
-        used.append(engine.kv_cache_manager.num_used_blocks)
+        used.append(scheduler.kv_cache_manager.num_used_blocks)
         if engine.has_unfinished_requests():
             assert len(seq.block_table) == cdiv(reserved, BLOCK_SIZE)
     assert used[:-1] == [cdiv(reserved, BLOCK_SIZE)] * (len(used) - 1)  # from the first step to the last
@@ -54,7 +59,7 @@ def test_the_whole_reservation_is_taken_at_admission_and_never_grows(llms, polic
 def test_paged_allocation_grows_with_the_sequence(llms):
     engine = llms[None].llm_engine
     engine.add_request("r", prompt(10), greedy(max_tokens=9))
-    seq = engine.requests["r"].request.seqs[0]
+    seq = core(llms[None]).scheduler.requests["r"][0]
     engine.step()
     assert len(seq.block_table) == cdiv(10, BLOCK_SIZE)  # only the computed tokens: 3 blocks, not 5
     while engine.has_unfinished_requests():
@@ -65,16 +70,16 @@ def test_a_request_whose_reservation_does_not_fit_waits(model_path):
     # 16 blocks of 4 = one max_model_len: under Orca (Max) one request at a time, under paged both at once.
     for policy, running_together in ((None, 2), ("max", 1)):
         llm = LLM(model=model_path, kv_reservation=policy, **engine_args(num_kv_blocks=16))
-        engine = llm.llm_engine
+        engine, scheduler = llm.llm_engine, core(llm).scheduler
         engine.add_request("a", prompt(10), greedy(max_tokens=6))
         engine.add_request("b", prompt(10, offset=1), greedy(max_tokens=6))
         engine.step()
-        assert len(engine.scheduler.running) == running_together
-        assert len(engine.scheduler.waiting) == 2 - running_together
+        assert len(scheduler.running) == running_together
+        assert len(scheduler.waiting) == 2 - running_together
         while engine.has_unfinished_requests():
             engine.step()
-        assert engine.scheduler.num_preemptions == 0
-        assert engine.kv_cache_manager.num_used_blocks == 0
+        assert scheduler.num_preemptions == 0
+        assert scheduler.kv_cache_manager.num_used_blocks == 0
 
 
 def test_a_reserving_engine_never_preempts_where_the_paged_one_must(model_path):
@@ -84,7 +89,7 @@ def test_a_reserving_engine_never_preempts_where_the_paged_one_must(model_path):
     for policy in (None, "oracle"):
         llm = LLM(model=model_path, kv_reservation=policy, **engine_args(num_kv_blocks=16, max_model_len=32))
         llm.generate(requests, greedy(max_tokens=26), use_tqdm=False)
-        preemptions[policy] = llm.llm_engine.scheduler.num_preemptions
+        preemptions[policy] = core(llm).scheduler.num_preemptions
     assert preemptions[None] > 0
     assert preemptions["oracle"] == 0
 
@@ -103,7 +108,7 @@ def test_greedy_tokens_equal_the_paged_engines(llms, policy):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_every_block_comes_back_after_finish_and_abort(llms, policy):
     engine = llms[policy].llm_engine
-    manager = engine.kv_cache_manager
+    manager = core(llms[policy]).scheduler.kv_cache_manager
     for i in range(6):
         engine.add_request(f"r{i}", prompt(12, offset=i), greedy(max_tokens=40))
     engine.step()
@@ -127,7 +132,8 @@ def test_a_pool_smaller_than_one_reservation_is_refused(model_path):
 
 def test_parallel_samples_are_refused_and_disturb_nothing(llms):
     engine = llms["pow2"].llm_engine
+    manager = core(llms["pow2"]).scheduler.kv_cache_manager
     with pytest.raises(ValueError, match="n must be 1 with kv_reservation"):
         engine.add_request("r", prompt(5), SamplingParams(n=2, max_tokens=4))
     assert not engine.has_unfinished_requests()
-    assert engine.kv_cache_manager._reserved_tokens == {}
+    assert manager._reserved_tokens == {} and manager.num_used_blocks == 0

@@ -25,6 +25,7 @@ from solutions import LLM, SamplingParams
 from solutions.distributed import layers
 from solutions.distributed.layers import RowParallelLinear, partition, split_evenly
 from solutions.distributed.parallel_state import free_port
+from solutions.exceptions import ParameterError
 from solutions.model.loader import load_model, resolve_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,15 +54,16 @@ def generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list
 def test_two_ranks_give_one_ranks_tokens_and_hugging_faces(model):
     path = "smollm2-135m" if model == "smollm2-135m" else str(tiny_checkpoint(model))
     one = LLM(path, **HARD)
-    vocab_size = one.model.config.vocab_size
+    vocab_size = one.llm_engine.vllm_config.model_config.vocab_size
     batch = prompts(vocab_size)
     greedy_one, sampled_one = generate(one, batch, GREEDY), generate(one, batch, SAMPLED)
     two = LLM(path, tensor_parallel_size=2, **HARD)
     try:
         greedy_two, sampled_two = generate(two, batch, GREEDY), generate(two, batch, SAMPLED)
-        assert two.llm_engine.scheduler.num_preemptions > 0, "the tight KV cache should have preempted"
+        scheduler = two.llm_engine.engine_core.engine_core.scheduler
+        assert scheduler.num_preemptions > 0, "the tight KV cache should have preempted"
     finally:
-        two.llm_engine.model_runner.shutdown()
+        two.llm_engine.shutdown()
     folder = str(resolve_model(path))
     for prompt, (ours,), (theirs,) in zip(batch, greedy_two, greedy_one, strict=True):
         assert_greedy_close(ours, theirs, prompt, hf_oracle(folder))
@@ -79,7 +81,7 @@ def test_two_ranks_give_one_ranks_tokens_and_hugging_faces(model):
 def test_a_dead_worker_is_an_error_at_the_next_step_not_a_hang():
     threads = torch.get_num_threads()
     llm = LLM(str(tiny_checkpoint("llama-gqa")), tensor_parallel_size=2, max_model_len=64)
-    executor = llm.llm_engine.model_runner
+    executor = llm.llm_engine.engine_core.engine_core.model_executor
     try:
         assert generate(llm, [[5, 6, 7]], GREEDY)
         executor.workers[0].kill()
@@ -124,12 +126,12 @@ def test_forked_workers_give_the_same_tokens_and_run_this_processs_code(monkeypa
     try:
         want = generate(spawned, batch, GREEDY)
     finally:
-        spawned.llm_engine.model_runner.shutdown()
+        spawned.llm_engine.shutdown()
     forked = LLM(path, tensor_parallel_size=2, max_model_len=64, worker_multiproc_method="fork")
     try:
         assert generate(forked, batch, GREEDY) == want
     finally:
-        forked.llm_engine.model_runner.shutdown()
+        forked.llm_engine.shutdown()
     reference = layers.shard_weight
 
     def other_kv_head(name, tensor, part, head_dim):
@@ -142,16 +144,17 @@ def test_forked_workers_give_the_same_tokens_and_run_this_processs_code(monkeypa
     try:
         assert generate(patched, batch, GREEDY) != want
     finally:
-        patched.llm_engine.model_runner.shutdown()
+        patched.llm_engine.shutdown()
 
 
 TORCHRUN_SCRIPT = """
 import json, os, sys
 from solutions import LLM, SamplingParams
 llm = LLM(sys.argv[1], tensor_parallel_size=2, distributed_executor_backend="external_launcher", max_model_len=64)
-outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+outs = llm.generate(json.loads(sys.argv[2]), greedy, use_tqdm=False)
 samples = llm.generate(json.loads(sys.argv[2]), SamplingParams(n=2, temperature=1.0, max_tokens=8), use_tqdm=False)
-llm.llm_engine.model_runner.shutdown()
+llm.llm_engine.shutdown()
 with open(os.path.join(sys.argv[3], f"rank{os.environ['RANK']}.json"), "w") as f:
     json.dump({"greedy": [o.outputs[0].token_ids for o in outs],
                "sampled": [[c.token_ids for c in o.outputs] for o in samples]}, f)
@@ -165,8 +168,8 @@ def test_torchrun_runs_every_rank_as_the_same_engine(tmp_path):
     batch = prompts(256, count=4)
     script = tmp_path / "tp.py"
     script.write_text(TORCHRUN_SCRIPT)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-               str(script), path, json.dumps(batch), str(tmp_path)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(free_port()), str(script), path, json.dumps(batch), str(tmp_path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -178,18 +181,24 @@ def test_torchrun_runs_every_rank_as_the_same_engine(tmp_path):
 def test_external_launcher_outside_torchrun_says_how_to_start_it(monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    with pytest.raises(ValueError, match="torchrun --nproc-per-node 2"):
+    with pytest.raises(ParameterError, match="torchrun --nproc-per-node 2") as refused:
         LLM(str(tiny_checkpoint("llama-gqa")), tensor_parallel_size=2, distributed_executor_backend="external_launcher")
+    assert refused.value.parameter == "distributed_executor_backend"
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive int"),
-    (dict(tensor_parallel_size=2, attention_backend="inductor"), "tensor_parallel_size=2 runs with attention_backend"),
-    (dict(tensor_parallel_size=2, device="cuda", worker_multiproc_method="fork"), "cannot start GPU workers"),
-    (dict(tensor_parallel_size=max(2, torch.cuda.device_count() + 1), device="cuda"), "GPUs on this machine, one per rank"),
-    (dict(distributed_executor_backend="ray"), "distributed_executor_backend must be one of"),
-    (dict(worker_multiproc_method="forkserver"), "worker_multiproc_method must be one of"),
+@pytest.mark.parametrize("options, message, parameter", [
+    (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive int", "tensor_parallel_size"),
+    (dict(tensor_parallel_size=2, attention_backend="inductor"), "tensor_parallel_size=2 runs with attention_backend",
+     "tensor_parallel_size"),
+    (dict(tensor_parallel_size=2, device="cuda", worker_multiproc_method="fork"), "cannot start GPU workers",
+     "worker_multiproc_method"),
+    (dict(tensor_parallel_size=max(2, torch.cuda.device_count() + 1), device="cuda"),
+     "GPUs on this machine, one per rank", "tensor_parallel_size"),
+    (dict(distributed_executor_backend="ray"), "distributed_executor_backend must be one of",
+     "distributed_executor_backend"),
+    (dict(worker_multiproc_method="forkserver"), "worker_multiproc_method must be one of", "worker_multiproc_method"),
 ])
-def test_bad_tensor_parallel_options_are_refused(options, message):
-    with pytest.raises(ValueError, match=message):
+def test_bad_tensor_parallel_options_are_refused(options, message, parameter):
+    with pytest.raises(ParameterError, match=message) as refused:  # a ValueError naming the option
         LLM(str(tiny_checkpoint("llama-gqa")), **options)
+    assert refused.value.parameter == parameter

@@ -14,11 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from grading import exercising, expect_close, expect_equal, expect_raises
-from grading.capstone import CAPSTONE_PROMPTS, generate_batch, smollm2, smollm2_greedy, swap_in
+from grading.capstone import CAPSTONE_PROMPTS, generate_batch, smollm2_greedy, swap_in
 from grading.ranks import run_on_ranks
 from solutions import SamplingParams
 from solutions.distributed import layers
 from solutions.distributed.layers import Partition
+from solutions.engine.arg_utils import EngineArgs
 from solutions.engine.llm_engine import LLMEngine
 from solutions.model.config import ModelConfig
 
@@ -339,19 +340,20 @@ CAPSTONE_ENGINE = dict(block_size=16, num_kv_blocks=64, max_num_seqs=8, max_num_
 @pytest.mark.exercise("capstone")
 @pytest.mark.timeout(300)  # a real model on 2 ranks: about half a minute on an idle 2-core machine
 def test_capstone_your_layers_on_two_ranks_give_hugging_faces_tokens_on_smollm2(impl):
-    model, tokenizer = smollm2()
     prompts = [CAPSTONE_PROMPTS[i] for i in CAPSTONE_PROMPT_IDS]
     inputs = (f"SmolLM2-135M (9 query heads, 3 K/V) at tensor_parallel_size=2, workers forked so they run your code; "
               f"CAPSTONE_PROMPTS{CAPSTONE_PROMPT_IDS} greedy, {CAPSTONE_TOKENS} tokens, one batch")
     with swap_in(impl, REFERENCE):  # your partition, slices and layers, on every rank
-        engine = LLMEngine(model, tokenizer, tensor_parallel_size=2, model_name="smollm2-135m",
-                           worker_multiproc_method="fork", **CAPSTONE_ENGINE)
+        engine = LLMEngine.from_engine_args(EngineArgs(
+            model="smollm2-135m", tensor_parallel_size=2, worker_multiproc_method="fork", **CAPSTONE_ENGINE,
+        ))
         try:
-            kv_heads = engine.model_runner.kv_cache.key_caches[0].shape[2]  # (blocks, block_size, Hkv, D)
+            runner = engine.engine_core.engine_core.model_executor.model_runner  # rank 0's
+            kv_heads = runner.kv_cache.key_caches[0].shape[2]  # (blocks, block_size, Hkv, D)
             greedy = SamplingParams(temperature=0.0, max_tokens=CAPSTONE_TOKENS, ignore_eos=True)
             outputs = generate_batch(engine, [(prompt, greedy) for prompt in prompts])
         finally:
-            engine.model_runner.shutdown()
+            engine.shutdown()  # its workers: one tensor-parallel engine per process
     expect_equal(kv_heads, 1, inputs=f"{inputs}; K/V heads in rank 0's KV cache (its one K/V group)")
     for i, output in zip(CAPSTONE_PROMPT_IDS, outputs, strict=True):
         expect_equal(output.outputs[0].token_ids, smollm2_greedy(i, CAPSTONE_TOKENS),

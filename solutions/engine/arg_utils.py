@@ -165,6 +165,9 @@ class EngineArgs:
         )
 
     def _resolve_device(self) -> torch.device:
+        tp = self.tensor_parallel_size
+        if tp > 1 and self.device == "cuda":  # first: these say what tensor parallelism on GPUs needs, GPU or not
+            self._check_gpus_for_tensor_parallel()
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ParameterError(
                 "device='cuda' but PyTorch sees no CUDA GPU (torch.cuda.is_available() is False; the pinned torch is "
@@ -179,10 +182,15 @@ class EngineArgs:
                     "is present, so the kernels compile for it. Use device='cuda', or attention_backend='torch'",
                     "attention_backend",
                 )
-        tp = self.tensor_parallel_size
         if tp == 1 or self.device != "cuda":
             return torch.device(self.device)
-        # Tensor parallelism on GPUs: one per rank on this node, and workers that start fresh (no CUDA after fork).
+        # rank r on cuda:r (under torchrun, this node's LOCAL_RANK); NCCL joins them.
+        launched = self.distributed_executor_backend == "external_launcher"
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) if launched else 0)
+
+    def _check_gpus_for_tensor_parallel(self) -> None:
+        """Tensor parallelism on GPUs: one per rank on this node, and workers that start fresh (no CUDA after fork)."""
+        tp = self.tensor_parallel_size
         if self.worker_multiproc_method == "fork":
             raise ParameterError(
                 "worker_multiproc_method='fork' cannot start GPU workers (CUDA does not survive a fork): use 'spawn' "
@@ -193,9 +201,6 @@ class EngineArgs:
                 f"tensor_parallel_size={tp} needs {tp} GPUs on this machine, one per rank; "
                 f"{torch.cuda.device_count()} are visible", "tensor_parallel_size",
             )
-        # rank r on cuda:r (under torchrun, this node's LOCAL_RANK); NCCL joins them.
-        launched = self.distributed_executor_backend == "external_launcher"
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) if launched else 0)
 
     # --- the command line ----------------------------------------------------------------------------------------
 

@@ -7,13 +7,11 @@ import torch
 
 from solutions.attention.paged import AttentionMetadata
 from solutions.core.block_manager import slot_mapping
-from solutions.core.sched.output import SchedulerOutput
+from solutions.core.sched.output import EngineCoreOutput, EngineCoreOutputs, SchedulerOutput, sampling_rows
 from solutions.core.sched.request_queue import SchedulingPolicy
 from solutions.core.sched.scheduler import Scheduler, SchedulerBase
 from solutions.core.sequence import Sequence, SequenceStatus
-from solutions.engine.llm_engine import LLMEngine
-from solutions.outputs import RequestOutput
-from solutions.sample.sampler import SamplerOutput
+from solutions.engine.core import EngineCore
 
 # --- Scheduler.schedule -------------------------------------------------------------------------------------------
 
@@ -390,59 +388,110 @@ def prepare_inputs_last_token_only(
     return torch.tensor(input_ids), torch.tensor([e - 1 for e in ends]), metadata
 
 
+# --- sampling_rows ------------------------------------------------------------------------------------------------
+
+
+def _rows(scheduler_output: SchedulerOutput, *, samples=lambda seq, start, n: seq.num_computed_tokens == seq.num_tokens,
+          forks=True) -> tuple[list[int], list[Sequence]]:
+    rows, seqs = [], []
+    for row, (seq, start, n) in enumerate(zip(scheduler_output.scheduled_seqs, scheduler_output.num_computed_tokens,
+                                              scheduler_output.num_scheduled_tokens, strict=True)):
+        if not samples(seq, start, n):
+            continue
+        for sample_seq in [*scheduler_output.forked_seqs.get(seq.seq_id, []), seq] if forks else [seq]:
+            rows.append(row)
+            seqs.append(sample_seq)
+    return rows, seqs
+
+
+def sampling_rows_first_rows(scheduler_output: SchedulerOutput) -> tuple[list[int], list[Sequence]]:
+    """Takes the first rows of the logits for the sequences that sample, not each sequence's own row."""
+    _, seqs = _rows(scheduler_output)
+    return list(range(len(seqs))), seqs
+
+
+def sampling_rows_samples_prompt_chunks(scheduler_output: SchedulerOutput) -> tuple[list[int], list[Sequence]]:
+    """Samples for every scheduled sequence, even a prompt chunk whose prompt is not finished: its draw is a
+    token appended in the middle of the prompt, and uses up a seeded request's random numbers."""
+    return _rows(scheduler_output, samples=lambda seq, start, n: True)
+
+
+def sampling_rows_never_forks(scheduler_output: SchedulerOutput) -> tuple[list[int], list[Sequence]]:
+    """Ignores the samples the scheduler forked: one sample per request, so an `n > 1` request never completes."""
+    return _rows(scheduler_output, forks=False)
+
+
+def sampling_rows_once_the_prompt_is_in(scheduler_output: SchedulerOutput) -> tuple[list[int], list[Sequence]]:
+    """Samples once the *prompt* is computed: a preempted sequence recomputed in chunks samples in the middle of its
+    own earlier outputs. (Takes the place of the old engine-step mutant that sampled every row and then dropped
+    the chunks' draws: the runner now samples exactly the rows this function returns.)"""
+    return _rows(scheduler_output, samples=lambda seq, start, n: seq.num_computed_tokens >= seq.num_prompt_tokens)
+
+
+def sampling_rows_from_where_the_tokens_start(scheduler_output: SchedulerOutput) -> tuple[list[int], list[Sequence]]:
+    """Compares where the step's tokens start (`scheduler_output.num_computed_tokens`) with the sequence's length,
+    forgetting the step's own tokens: no sequence ever samples."""
+    return _rows(scheduler_output, samples=lambda seq, start, n: start == seq.num_tokens)
+
+
+def sampling_rows_forks_take_the_next_rows(scheduler_output: SchedulerOutput) -> tuple[list[int], list[Sequence]]:
+    """Gives each forked sample a row of its own, after its parent's, as if each sample had been scheduled."""
+    rows, seqs = _rows(scheduler_output)
+    shifted, previous, k = [], None, 0
+    for row in rows:
+        k = k + 1 if row == previous else 0
+        shifted.append(min(row + k, len(scheduler_output.scheduled_seqs) - 1))
+        previous = row
+    return shifted, seqs
+
+
 # --- engine_step --------------------------------------------------------------------------------------------------
 
 
-def engine_step_samples_the_wrong_rows(engine: LLMEngine) -> list[RequestOutput]:
-    """Takes the first rows of the logits for the sequences that sample, not each sequence's own row."""
-    scheduler_output = engine.schedule()
-    logits = engine.execute_model(scheduler_output)
-    seqs = []
-    for seq in scheduler_output.scheduled_seqs:
-        if seq.num_computed_tokens < seq.num_tokens:
-            continue
-        seqs += [*scheduler_output.forked_seqs.get(seq.seq_id, []), seq]
-    rows = [min(i, logits.shape[0] - 1) for i in range(len(seqs))]
-    return engine.update_from_output(scheduler_output, seqs, engine.sample(logits[rows], seqs))
+def engine_step_never_updates(core: EngineCore) -> EngineCoreOutputs:
+    """Returns the sampled tokens as the step's outputs without `update_from_output`: no token is appended to its
+    sequence, no stop is checked, no block freed."""
+    scheduler_output = core.scheduler.schedule()
+    grammar_output = core.scheduler.get_grammar_bitmask(scheduler_output)
+    core.model_executor.execute_model(scheduler_output)
+    model_output = core.model_executor.sample_tokens(grammar_output)
+    _, seqs = sampling_rows(scheduler_output)
+    outputs = [EngineCoreOutput(seq.request_id, seq.sample_index, [token])
+               for seq, token in zip(seqs, model_output.sampled_token_ids, strict=True)]
+    return EngineCoreOutputs(outputs, core.scheduler.make_stats(scheduler_output, model_output.seconds))
 
 
-def engine_step_samples_prompt_chunks(engine: LLMEngine) -> list[RequestOutput]:
-    """Samples for every scheduled sequence, even a prompt chunk whose prompt is not finished."""
-    scheduler_output = engine.schedule()
-    logits = engine.execute_model(scheduler_output)
-    rows, seqs = [], []
-    for row, seq in enumerate(scheduler_output.scheduled_seqs):
-        for sample_seq in [*scheduler_output.forked_seqs.get(seq.seq_id, []), seq]:
-            rows.append(row)
-            seqs.append(sample_seq)
-    return engine.update_from_output(scheduler_output, seqs, engine.sample(logits[rows], seqs))
+def engine_step_samples_before_executing(core: EngineCore) -> EngineCoreOutputs:
+    """Asks the executor for the sampled tokens before the forward pass that computes their logits."""
+    scheduler_output = core.scheduler.schedule()
+    grammar_output = core.scheduler.get_grammar_bitmask(scheduler_output)
+    model_output = core.model_executor.sample_tokens(grammar_output)
+    core.model_executor.execute_model(scheduler_output)
+    return core.scheduler.update_from_output(scheduler_output, model_output)
 
 
-def engine_step_samples_then_drops_chunks(engine: LLMEngine) -> list[RequestOutput]:
-    """Samples every scheduled row first, then keeps the sequences whose prompt is complete: a prompt chunk's
-    draw still advances its request's random generator, so a seeded request's tokens depend on the chunking."""
-    scheduler_output = engine.schedule()
-    logits = engine.execute_model(scheduler_output)
-    scheduled = scheduler_output.scheduled_seqs
-    everyone = engine.sample(logits, scheduled)
-    rows = [b for b, seq in enumerate(scheduled) if seq.num_computed_tokens == seq.num_tokens]
-    seqs = [scheduled[b] for b in rows]
-    kept = SamplerOutput(*([field[b] for b in rows] for field in (everyone.sampled_token_ids, everyone.logprobs,
-                                                                   everyone.sampled_logprobs)))
-    return engine.update_from_output(scheduler_output, seqs, kept)
+def engine_step_drops_the_grammar(core: EngineCore) -> EngineCoreOutputs:
+    """Samples without the grammar masks (passes None): a constrained request draws from the whole vocabulary."""
+    scheduler_output = core.scheduler.schedule()
+    core.model_executor.execute_model(scheduler_output)
+    model_output = core.model_executor.sample_tokens(None)
+    return core.scheduler.update_from_output(scheduler_output, model_output)
 
 
-def engine_step_never_forks(engine: LLMEngine) -> list[RequestOutput]:
-    """Ignores the samples the scheduler forked: one sample per request, so an `n > 1` request never completes."""
-    scheduler_output = engine.schedule()
-    logits = engine.execute_model(scheduler_output)
-    rows, seqs = [], []
-    for row, seq in enumerate(scheduler_output.scheduled_seqs):
-        if seq.num_computed_tokens < seq.num_tokens:
-            continue
-        rows.append(row)
-        seqs.append(seq)
-    return engine.update_from_output(scheduler_output, seqs, engine.sample(logits[rows], seqs))
+def engine_step_calls_core_step(core: EngineCore) -> EngineCoreOutputs:
+    """Delegates to `core.step()`, which is itself nothing but a call of `engine_step`: endless recursion once
+    `engine_step` is yours."""
+    return core.step()
+
+
+def engine_step_schedules_twice(core: EngineCore) -> EngineCoreOutputs:
+    """Schedules once for the forward pass and again for the update: the second `schedule()` advances the
+    sequences past tokens no forward pass ever computes."""
+    scheduler_output = core.scheduler.schedule()
+    grammar_output = core.scheduler.get_grammar_bitmask(scheduler_output)
+    core.model_executor.execute_model(scheduler_output)
+    model_output = core.model_executor.sample_tokens(grammar_output)
+    return core.scheduler.update_from_output(core.scheduler.schedule(), model_output)
 
 
 # --- apply_top_p, apply_min_p -------------------------------------------------------------------------------------
@@ -520,10 +569,17 @@ MUTANTS = {
     "prepare_inputs_last_token_only": {"prepare_inputs": prepare_inputs_last_token_only},
     "prepare_inputs_chunk_slots_from_zero": {"prepare_inputs": prepare_inputs_chunk_slots_from_zero},
     "prepare_inputs_query_start_loc_inclusive": {"prepare_inputs": prepare_inputs_query_start_loc_inclusive},
-    "engine_step_samples_the_wrong_rows": {"engine_step": engine_step_samples_the_wrong_rows},
-    "engine_step_samples_prompt_chunks": {"engine_step": engine_step_samples_prompt_chunks},
-    "engine_step_never_forks": {"engine_step": engine_step_never_forks},
-    "engine_step_samples_then_drops_chunks": {"engine_step": engine_step_samples_then_drops_chunks},
+    "sampling_rows_first_rows": {"sampling_rows": sampling_rows_first_rows},
+    "sampling_rows_samples_prompt_chunks": {"sampling_rows": sampling_rows_samples_prompt_chunks},
+    "sampling_rows_never_forks": {"sampling_rows": sampling_rows_never_forks},
+    "sampling_rows_once_the_prompt_is_in": {"sampling_rows": sampling_rows_once_the_prompt_is_in},
+    "sampling_rows_from_where_the_tokens_start": {"sampling_rows": sampling_rows_from_where_the_tokens_start},
+    "sampling_rows_forks_take_the_next_rows": {"sampling_rows": sampling_rows_forks_take_the_next_rows},
+    "engine_step_never_updates": {"engine_step": engine_step_never_updates},
+    "engine_step_samples_before_executing": {"engine_step": engine_step_samples_before_executing},
+    "engine_step_drops_the_grammar": {"engine_step": engine_step_drops_the_grammar},
+    "engine_step_calls_core_step": {"engine_step": engine_step_calls_core_step},
+    "engine_step_schedules_twice": {"engine_step": engine_step_schedules_twice},
     "apply_top_p_drops_the_crossing_token": {"apply_top_p": apply_top_p_drops_the_crossing_token},
     "apply_top_p_without_sorting": {"apply_top_p": apply_top_p_without_sorting},
     "apply_top_p_first_rows_p": {"apply_top_p": apply_top_p_first_rows_p},
@@ -539,7 +595,8 @@ CAPSTONE_MUTANTS = {
     "Scheduler": "schedule_ignores_cached_tokens",
     "allocate_or_preempt": "allocate_or_preempt_keeps_the_victim_scheduled",
     "prepare_inputs": "prepare_inputs_chunk_slots_from_zero",
-    "engine_step": "engine_step_samples_prompt_chunks",
+    "sampling_rows": "sampling_rows_samples_prompt_chunks",
+    "engine_step": "engine_step_never_updates",
     "apply_top_p": "apply_top_p_drops_the_crossing_token",
     "apply_min_p": "apply_min_p_absolute",
 }

@@ -12,6 +12,11 @@ from solutions.distributed.layers import Partition, split_evenly
 from solutions.distributed.parallel_state import all_reduce, tp_size
 from solutions.model.config import ModelConfig
 
+# The reference functions, taken when this module is loaded: inside a capstone's `swap_in`, `layers.partition` and
+# `layers.shard_weight` are the mutant itself, and a mutant that deferred to them would only recurse.
+reference_partition = layers.partition
+reference_shard_weight = layers.shard_weight
+
 # --- partition ----------------------------------------------------------------------------------------------------
 
 
@@ -28,9 +33,9 @@ def partition_replicates_kv_heads_round_robin(config: ModelConfig, tp_size: int)
     r-th run: with 2 K/V heads over 4 ranks, rank 1's query heads 2, 3 (of K/V head 0) get K/V head 1."""
     kv = config.num_key_value_heads
     if kv >= tp_size:
-        return layers.partition(config, tp_size)
+        return reference_partition(config, tp_size)
     return [Partition(p.q_heads, (r % kv, r % kv + 1), p.intermediate, p.vocab)
-            for r, p in enumerate(layers.partition(config, tp_size))]
+            for r, p in enumerate(reference_partition(config, tp_size))]
 
 
 def partition_drops_the_remainder(config: ModelConfig, tp_size: int) -> list[Partition]:
@@ -41,7 +46,7 @@ def partition_drops_the_remainder(config: ModelConfig, tp_size: int) -> list[Par
         return [(r * size, (r + 1) * size) for r in range(tp_size)]
 
     return [Partition(p.q_heads, p.kv_heads, i, v) for p, i, v in zip(
-        layers.partition(config, tp_size), floor_ranges(config.intermediate_size), floor_ranges(config.vocab_size),
+        reference_partition(config, tp_size), floor_ranges(config.intermediate_size), floor_ranges(config.vocab_size),
         strict=True)]
 
 
@@ -50,7 +55,7 @@ def partition_never_refuses(config: ModelConfig, tp_size: int) -> list[Partition
     over 3 ranks hand rank 2 a third K/V head that does not exist, and nothing is raised."""
     kv, group = config.num_key_value_heads, config.num_queries_per_kv
     if kv >= tp_size:
-        return layers.partition(config, tp_size)
+        return reference_partition(config, tp_size)
     replicas = max(1, tp_size // kv)
     kv_ranges = [(r // replicas, r // replicas + 1) for r in range(tp_size)]
     q_ranges = [(h * group + a, h * group + b) for h, _ in kv_ranges[::replicas]
@@ -72,14 +77,14 @@ def shard_weight_o_proj_by_rows(name: str, tensor: torch.Tensor, part: Partition
     its input (the attention heads' outputs) is what the rank holds a slice of."""
     if name.endswith("o_proj.weight"):
         return _cut(tensor, 0, (part.q_heads[0] * head_dim, part.q_heads[1] * head_dim))
-    return layers.shard_weight(name, tensor, part, head_dim)
+    return reference_shard_weight(name, tensor, part, head_dim)
 
 
 def shard_weight_kv_by_query_heads(name: str, tensor: torch.Tensor, part: Partition, head_dim: int) -> torch.Tensor:
     """Cuts k_proj and v_proj by the rank's query-head range, as if every query head had its own K/V head."""
     if name.split(".")[-2] in ("k_proj", "v_proj"):
         return _cut(tensor, 0, (part.q_heads[0] * head_dim, part.q_heads[1] * head_dim))
-    return layers.shard_weight(name, tensor, part, head_dim)
+    return reference_shard_weight(name, tensor, part, head_dim)
 
 
 def shard_weight_kv_heads_from_zero(name: str, tensor: torch.Tensor, part: Partition, head_dim: int) -> torch.Tensor:
@@ -87,14 +92,14 @@ def shard_weight_kv_heads_from_zero(name: str, tensor: torch.Tensor, part: Parti
     and 1 instead of 1 and 2 (the right shape, the wrong heads)."""
     if name.split(".")[-2] in ("k_proj", "v_proj"):
         return _cut(tensor, 0, (0, (part.kv_heads[1] - part.kv_heads[0]) * head_dim))
-    return layers.shard_weight(name, tensor, part, head_dim)
+    return reference_shard_weight(name, tensor, part, head_dim)
 
 
 def shard_weight_without_head_dim(name: str, tensor: torch.Tensor, part: Partition, head_dim: int) -> torch.Tensor:
     """Cuts q_proj's rows by head numbers, forgetting that each head is head_dim rows."""
     if name.split(".")[-2] == "q_proj":
         return _cut(tensor, 0, part.q_heads)
-    return layers.shard_weight(name, tensor, part, head_dim)
+    return reference_shard_weight(name, tensor, part, head_dim)
 
 
 def shard_weight_splits_row_parallel_bias(name: str, tensor: torch.Tensor, part: Partition, head_dim: int) -> torch.Tensor:
@@ -104,7 +109,7 @@ def shard_weight_splits_row_parallel_bias(name: str, tensor: torch.Tensor, part:
         return _cut(tensor, 0, (part.q_heads[0] * head_dim, part.q_heads[1] * head_dim))
     if name.endswith("down_proj.bias"):
         return _cut(tensor, 0, part.intermediate)
-    return layers.shard_weight(name, tensor, part, head_dim)
+    return reference_shard_weight(name, tensor, part, head_dim)
 
 
 # --- RowParallelLinear --------------------------------------------------------------------------------------------

@@ -213,8 +213,10 @@ class OpenAIServing(ABC):
                 yield output
         except ParameterError as error:  # the engine's field, mapped onto this request's
             param = self.prompt_field if error.parameter == "prompt" else request.request_field(error.parameter)
-            message = f"{param}: {error}" if error.parameter == "structured_outputs" else str(error)
-            raise RequestError(message, param=param) from error
+            # The message names the request's field too: prefixed where the engine calls it otherwise (chat's
+            # "messages" for the prompt, "max_completion_tokens"; "StructuredOutputsParams.json" for any of them).
+            renamed = param != error.parameter or error.parameter == "structured_outputs"
+            raise RequestError(f"{param}: {error}" if renamed else str(error), param=param) from error
         except ValueError as error:  # the engine core refused it (a safety net: the processor checks first)
             raise RequestError(str(error)) from error
         finally:
