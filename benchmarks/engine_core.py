@@ -9,8 +9,8 @@ The same seeded workload (SmolLM2-135M, fp32 on this machine's cores; prompts of
 EOS ignored, every request present at once) through three paths, one after the other:
 
 - offline:  `LLMEngine.step()` in a plain loop, as `LLM.generate` runs it — no queues, no event loop;
-- process:  `AsyncLLM(engine_core="process")`, each request a streaming `generate` on one asyncio event loop;
-- thread:   `AsyncLLM(engine_core="thread")`, the same callers, the core in a thread of the same process.
+- process:  `AsyncLLM` with `engine_core="process"`, each request a streaming `generate` on one asyncio event loop;
+- thread:   `AsyncLLM` with `engine_core="thread"`, the same callers, the core in a thread of the same process.
 
 Each streaming caller does a server's per-output work: it formats an SSE chunk (`json.dumps`) for every output.
 Reported per path: engine step time (median, p90: the core's own `perf_counter` around `engine.step()`, sent in
@@ -91,6 +91,7 @@ async def workload_warmup(llm, prompt: list[int], params) -> None:
 
 def run_async(engine_core: str, prompts: list[list[int]], params) -> dict:
     """All prompts as concurrent streaming `generate` calls on one event loop, each formatting SSE chunks."""
+    from solutions.engine.arg_utils import AsyncEngineArgs
     from solutions.engine.async_llm import AsyncLLM
 
     async def stream(llm, prompt: list[int], request_id: str) -> tuple[int, int]:
@@ -106,7 +107,7 @@ def run_async(engine_core: str, prompts: list[list[int]], params) -> dict:
     async def workload(llm) -> list[tuple[int, int]]:
         return await asyncio.gather(*(stream(llm, prompt, str(i)) for i, prompt in enumerate(prompts)))
 
-    with AsyncLLM(MODEL, engine_core=engine_core, **ENGINE_ARGS) as llm:
+    with AsyncLLM.from_engine_args(AsyncEngineArgs(model=MODEL, engine_core=engine_core, **ENGINE_ARGS)) as llm:
         asyncio.run(workload_warmup(llm, prompts[0][:8], type(params)(max_tokens=2)))
         recorder = StepRecorder()
         llm.stat_loggers.append(recorder)

@@ -119,7 +119,7 @@ def measure_xgrammar(tokenizer, vocab_size: int, answer_ids: list[int]) -> dict[
 
 def run() -> dict:
     llm = LLM(MODEL, max_model_len=512, max_num_seqs=max(BATCH_SIZES))
-    config = llm.model.config
+    config = llm.llm_engine.vllm_config.model_config  # the checkpoint's vocab_size and eos_token_id
     manager = StructuredOutputManager(llm.tokenizer, config.vocab_size, config.eos_token_id)
     answer_ids = llm.tokenizer.encode(ANSWER) + [config.eos_token_id]
     compile_ms = measure_compile(manager)

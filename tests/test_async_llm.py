@@ -153,17 +153,23 @@ def test_abort_from_outside_ends_the_stream_with_finish_reason_abort(llm):
 def test_bad_requests_raise_value_error_and_the_others_still_finish(llm, oracle):
     async def main():
         good = [asyncio.create_task(collect(llm, PROMPTS[i], GREEDY, f"good-{i}")) for i in range(3)]
-        with pytest.raises(ValueError, match="prompt_token_ids"):
+        refusals = []  # each a ParameterError (a ValueError) naming its field, for the server's `param`
+        with pytest.raises(ParameterError, match="prompt_token_ids") as refused:
             await collect(llm, [1, 2, 999], GREEDY, "bad-token")
-        with pytest.raises(ValueError, match="max_model_len=512"):
+        refusals.append(refused.value.parameter)
+        with pytest.raises(ParameterError, match="max_model_len=512") as refused:
             await collect(llm, [1] * 600, GREEDY, "too-long")
+        refusals.append(refused.value.parameter)
         in_flight = llm.generate(PROMPTS[3], LONG, "in-flight")
         await anext(in_flight)
-        with pytest.raises(ValueError, match="already in use"):
+        with pytest.raises(ParameterError, match="already in use") as refused:
             await collect(llm, PROMPTS[0], GREEDY, "in-flight")
+        refusals.append(refused.value.parameter)
         await in_flight.aclose()
-        with pytest.raises(ValueError, match="priority"):
+        with pytest.raises(ParameterError, match="priority") as refused:
             await anext(llm.generate(PROMPTS[0], GREEDY, "prioritised", priority=1))
+        refusals.append(refused.value.parameter)
+        assert refusals == ["prompt", "prompt", "request_id", "priority"]
         return await asyncio.gather(*good)
 
     results = run(main())

@@ -179,7 +179,7 @@ def test_llm_beam_search_matches_hugging_face_on_smollm2(smollm2, width):
         prompt = smollm2.tokenizer.encode(text)
         assert [s.tokens for s in output.sequences] == hf_beams(folder, prompt, width, 12), text
         assert output.sequences[0].text.startswith(text)
-    assert smollm2.llm_engine.kv_cache_manager.num_used_blocks == 0
+    assert smollm2.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.num_used_blocks == 0
 
 
 def test_llm_beam_search_stops_at_eos_and_needs_an_idle_engine(smollm2):

@@ -22,6 +22,16 @@ PROMPTS = [[(7 * i + 3 * j + 1) % 256 for j in range(n)] for i, n in enumerate([
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def core(llm: LLM):
+    """The engine core behind `llm` (its scheduler, KV cache manager and model executor)."""
+    return llm.llm_engine.engine_core.engine_core
+
+
+def runner_of(llm: LLM):
+    """The model runner of `llm`'s engine core (the model, the KV cache, the CUDA graphs)."""
+    return core(llm).model_executor.model_runner
+
+
 def tiny_llm(**kwargs) -> LLM:
     return LLM(model=str(tiny_checkpoint("llama-gqa")), block_size=16, max_num_seqs=8, max_model_len=128, **kwargs)
 
@@ -89,9 +99,10 @@ def random_prompts(count: int) -> list[list[int]]:
 
 def test_bfloat16_engine_holds_bfloat16_weights_and_cache_and_agrees_with_float32():
     fp32, bf16 = tiny_llm(), tiny_llm(dtype="bfloat16")
-    assert {p.dtype for p in bf16.model.parameters()} == {torch.bfloat16}
-    assert bf16.model.model.rotary_emb.inv_freq.dtype == torch.float32, "RoPE's frequencies stay float32"
-    cache = bf16.llm_engine.model_runner.kv_cache
+    model = runner_of(bf16).model
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32, "RoPE's frequencies stay float32"
+    cache = runner_of(bf16).kv_cache
     assert {t.dtype for t in cache.key_caches + cache.value_caches} == {torch.bfloat16}
     assert_greedy_streams_close(bf16, fp32, random_prompts(16))
 
@@ -99,18 +110,18 @@ def test_bfloat16_engine_holds_bfloat16_weights_and_cache_and_agrees_with_float3
 def test_bfloat16_through_the_triton_kernels_agrees_with_float32():
     """On DEVICE: natively on a GPU (graphs on), in the interpreter on the CPU."""
     bf16 = tiny_llm(attention_backend="triton", dtype="bfloat16", device=DEVICE.type)
-    assert bf16.llm_engine.model_runner.kv_cache.key_caches[0].dtype == torch.bfloat16
+    assert runner_of(bf16).kv_cache.key_caches[0].dtype == torch.bfloat16
     assert_greedy_streams_close(bf16, tiny_llm(attention_backend="triton", device=DEVICE.type), random_prompts(4))
 
 
 def test_kv_cache_sizing_counts_the_dtype_bytes():
     budget = 2**20
     blocks = {
-        dtype: LLM(model=str(tiny_checkpoint("llama-gqa")), block_size=16, max_num_seqs=64, max_model_len=512,
-                   kv_cache_memory_bytes=budget, dtype=dtype).llm_engine.kv_cache_manager.num_blocks
+        dtype: core(LLM(model=str(tiny_checkpoint("llama-gqa")), block_size=16, max_num_seqs=64, max_model_len=512,
+                        kv_cache_memory_bytes=budget, dtype=dtype)).scheduler.kv_cache_manager.num_blocks
         for dtype in ("float32", "bfloat16")
     }
-    config = tiny_llm().model.config
+    config = runner_of(tiny_llm()).model.config
     assert blocks["float32"] == budget // KVCache.bytes_per_block(config, 16, torch.float32)
     assert blocks["bfloat16"] == 2 * blocks["float32"], "half the bytes per element: twice the blocks"
 
@@ -169,10 +180,10 @@ def test_padded_decode_path_gives_the_eager_tokens_and_serves_every_decode_step(
     the static buffers padded to its bucket: 5 prompts decode in a bucket of 8, then fewer as they finish."""
     want = greedy_tokens(tiny_llm(attention_backend="triton", device=DEVICE.type, enforce_eager=True))
     llm = tiny_llm(attention_backend="triton", device=DEVICE.type, enforce_eager=True)
-    runner = llm.llm_engine.model_runner
+    runner = runner_of(llm)
     assert runner.cuda_graphs is None, "no graphs when eager"
-    runner.cuda_graphs = CUDAGraphRunner(llm.model, runner.kv_cache, max_num_seqs=8, max_model_len=128, block_size=16,
-                                         capture=False)
+    runner.cuda_graphs = CUDAGraphRunner(runner.model, runner.kv_cache, max_num_seqs=8, max_model_len=128,
+                                         block_size=16, capture=False)
     assert greedy_tokens(llm) == want
     assert runner.cuda_graphs.num_replays == GREEDY.max_tokens - 1, "every step after the prefill is a pure decode"
 
@@ -207,10 +218,10 @@ def test_cuda_float32_greedy_matches_hugging_face_with_graphs():
 
     llm = LLM(model="smollm2-135m", device="cuda", dtype="float32", attention_backend="triton", max_num_seqs=8,
               max_model_len=512)
-    assert llm.llm_engine.model_runner.cuda_graphs is not None
+    assert runner_of(llm).cuda_graphs is not None
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     outputs = llm.generate(CAPSTONE_PROMPTS, params, use_tqdm=False)
-    assert llm.llm_engine.model_runner.cuda_graphs.num_replays > 0
+    assert runner_of(llm).cuda_graphs.num_replays > 0
     oracle = None
     for i, (prompt, output) in enumerate(zip(CAPSTONE_PROMPTS, outputs, strict=True)):
         theirs = smollm2_greedy(i, 32)
@@ -227,9 +238,9 @@ def test_cuda_graphs_on_equal_graphs_off(dtype):
     for eager in (True, False):
         llm = LLM(model=folder, device="cuda", dtype=dtype, attention_backend="triton", max_num_seqs=8,
                   max_model_len=128, enforce_eager=eager)
-        assert (llm.llm_engine.model_runner.cuda_graphs is None) == eager
+        assert (runner_of(llm).cuda_graphs is None) == eager
         tokens[eager] = greedy_tokens(llm)
-        assert {t.device.type for t in llm.llm_engine.model_runner.kv_cache.key_caches} == {"cuda"}
+        assert {t.device.type for t in runner_of(llm).kv_cache.key_caches} == {"cuda"}
     assert tokens[False] == tokens[True]
 
 

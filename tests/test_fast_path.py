@@ -22,6 +22,9 @@ HARD = dict(block_size=8, num_kv_blocks=60, max_num_batched_tokens=32, long_pref
             max_model_len=256)
 
 
+def core(llm: LLM):
+    """The engine core behind `llm` (its scheduler, KV cache manager and model executor)."""
+    return llm.llm_engine.engine_core.engine_core
 
 
 def prompts_with_a_shared_head(count: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -109,7 +112,7 @@ def test_fast_decode_attention_at_other_head_sizes(head_dim):
 def test_compiled_fast_path_equals_hugging_face_and_compiles_only_at_start_up(model):
     folder = tiny_checkpoint(model)
     llm = LLM(model=str(folder), attention_backend="inductor", **HARD)
-    compiled = llm.llm_engine.model_runner.compiled_forward
+    compiled = core(llm).model_executor.model_runner.compiled_forward
     assert compiled is not None and compiled.compile_seconds > 0, "the forward pass compiles at start-up"
     at_start = compiled.compile_seconds
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -117,21 +120,21 @@ def test_compiled_fast_path_equals_hugging_face_and_compiles_only_at_start_up(mo
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for prompt, output in zip(prompts, outputs, strict=True):
         assert_greedy_close(output.outputs[0].token_ids, hf_greedy(folder, tuple(prompt), NEW_TOKENS), prompt, hf_oracle(folder))
-    engine = llm.llm_engine
-    assert engine.scheduler.num_preemptions > 0, "the KV budget forces preemptions"
-    assert engine.kv_cache_manager.prefix_cache_stats.hits > 0, "the shared head is found in the prefix cache"
+    engine, scheduler = llm.llm_engine, core(llm).scheduler
+    assert scheduler.num_preemptions > 0, "the KV budget forces preemptions"
+    assert scheduler.kv_cache_manager.prefix_cache_stats.hits > 0, "the shared head is found in the prefix cache"
     sizes = {s.num_prefill_tokens + s.num_decode_tokens for s in engine.stats.steps}
     assert 1 in sizes and len(sizes) > 5, "steps of one token and of many sizes ran"
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "no step compiled a new graph"
     assert compiled.compile_seconds == at_start
-    assert engine.kv_cache_manager.num_used_blocks == 0
+    assert scheduler.kv_cache_manager.num_used_blocks == 0
 
 
 def test_enforce_eager_keeps_the_eager_forward_with_in_place_attention():
     folder = tiny_checkpoint("llama-gqa")
     eager = LLM(model=str(folder), attention_backend="inductor", enforce_eager=True, **HARD)
     reference = LLM(model=str(folder), **HARD)
-    assert eager.llm_engine.model_runner.compiled_forward is None
+    assert core(eager).model_executor.model_runner.compiled_forward is None
     prompts = prompts_with_a_shared_head(10, 256, seed=5)
     ours = [o.outputs[0].token_ids for o in eager.generate(prompts, GREEDY, use_tqdm=False)]
     theirs = [o.outputs[0].token_ids for o in reference.generate(prompts, GREEDY, use_tqdm=False)]
@@ -146,4 +149,4 @@ def test_smollm2_fast_path_equals_hugging_face():
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for prompt, output in zip(prompts, outputs, strict=True):
         assert_greedy_close(output.outputs[0].token_ids, hf_greedy(folder, tuple(prompt), NEW_TOKENS), prompt, hf_oracle(folder))
-    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert core(llm).scheduler.num_preemptions > 0

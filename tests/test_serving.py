@@ -1,13 +1,19 @@
 """The OpenAI-compatible server, live on 127.0.0.1, driven by the real `openai` client: completions and chat,
 whole and streamed, token for token what `LLM` generates offline; 32 streaming clients at once; clients that
 hang up mid-request (their blocks come back); bad requests refused with OpenAI's error shape, naming the field,
-while the server keeps serving; `/v1/models`, `/health`, `/metrics`.
+while the server keeps serving; `/v1/models`, `/health`, `/metrics`. A request is checked once, in the front
+end, and its grammar compiled once, in the core; the engine's refusals (`ParameterError`) come back with the
+request's field as OpenAI's `param`.
 
-One server (SmolLM2, the engine core in its own process) and one offline `LLM` serve the whole module.
+One server (SmolLM2, the engine core in its own process) and one offline `LLM` serve most of the module; two
+small servers with the engine core in a thread of this process serve the checks that need to see inside it.
 """
 
+import collections
+import contextlib
 import json
 import re
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -18,7 +24,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from solutions import LLM, SamplingParams
+from solutions.engine.processor import Processor
 from solutions.entrypoints.openai.api_server import serve_in_background
+from solutions.structured_output.backend_guidance import GuidanceBackend
 
 MODEL = "smollm2-135m"
 MAX_MODEL_LEN = 512
@@ -264,7 +272,9 @@ def test_bad_completion_requests_are_refused_naming_the_field(server, body, stat
 
 PERSON = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120}
+    },
     "required": ["name", "age"],
     "additionalProperties": False,
 }
@@ -311,6 +321,109 @@ def test_server_keeps_serving_after_bad_requests(client, offline, server):
         assert status in (400, 404)
     response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
     assert response.choices[0].text == offline["prompt"][0]
+
+
+# --- checked once in the front end, compiled once in the core (the engine core in a thread of this process) ------
+
+# A small engine, for refusals that depend on its options: 12 KV blocks of 16 tokens hold 192 tokens of a sequence.
+SMALL_ENGINE = dict(max_model_len=256, max_num_seqs=4, num_kv_blocks=12)
+
+
+@contextlib.contextmanager
+def thread_server():
+    """A server whose engine core runs in a thread of this process (so what the core calls is seen here too)."""
+    with serve_in_background(MODEL, engine_core="thread", **SMALL_ENGINE) as running:
+        yield running, openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="EMPTY", max_retries=0, timeout=60)
+
+
+def test_a_request_is_validated_once_in_the_front_end_and_its_grammar_compiled_once_in_the_core(monkeypatch):
+    """One chat request with a JSON schema and n=2, through the real client: the front end's processor runs once
+    (`Processor.process_inputs`) and validates the schema once (`GuidanceBackend.validate_grammar`), both on the
+    server's event-loop thread; the engine core compiles it once (`GuidanceBackend.compile_grammar`, on the core's
+    thread), and the second sample's matcher reuses that compiled grammar. The wrappers are installed on the
+    classes before the server starts, and the core shares this process, so a call on either side is counted.
+
+    Before the refactor this failed: `AsyncLLM.generate` ran `Processor.process_inputs`, which compiled the schema
+    (its own `StructuredOutputManager.grammar_init`) to check it, and the core's `add_request` handed the request
+    to a whole `LLMEngine.add_request`, which ran `process_inputs` again and compiled again with the core's
+    manager (another cache): two of each, one on each thread (and `validate_grammar` did not exist).
+    """
+    calls: collections.Counter[tuple[str, str]] = collections.Counter()
+
+    def count(owner: type, name: str) -> None:
+        original = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            calls[name, threading.current_thread().name] += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+
+    count(Processor, "process_inputs")
+    count(GuidanceBackend, "validate_grammar")
+    count(GuidanceBackend, "compile_grammar")
+    with thread_server() as (server, client):
+        assert server.engine.engine_core.thread.name == "EngineCore" and server.engine.engine_core.thread.is_alive()
+        assert not calls, "nothing is processed or compiled before a request comes"
+        chat = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Invent a person."}], n=2, temperature=1.0, seed=1,
+            max_tokens=48, response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+        )
+    assert len(chat.choices) == 2
+    for choice in chat.choices:
+        person = json.loads(choice.message.content)
+        assert set(person) == {"name", "age"} and isinstance(person["age"], int) and 0 <= person["age"] <= 120
+        assert choice.finish_reason == "stop"
+    assert calls == {
+        ("process_inputs", "api-server"): 1,
+        ("validate_grammar", "api-server"): 1,
+        ("compile_grammar", "EngineCore"): 1,
+    }
+
+
+@pytest.fixture(scope="module")
+def small_server():
+    with thread_server() as (running, _):
+        yield running
+
+
+LONG_TEXT = "word " * SMALL_ENGINE["max_model_len"]  # 257 tokens: no room left in a context of 256
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "param", "says"),
+    [
+        ("completions", {"prompt": LONG_TEXT}, "prompt", "max_model_len=256"),
+        ("completions", {"prompt": LONG_TEXT, "stream": True}, "prompt", "max_model_len=256"),  # a 400, not a 200
+        ("chat", {"messages": [{"role": "user", "content": LONG_TEXT}]}, "messages", "max_model_len=256"),
+        ("completions", {"max_tokens": 250}, "max_tokens", "num_kv_blocks=12"),  # 16 blocks for one sequence
+        ("chat", {"max_tokens": 250}, "max_tokens", "num_kv_blocks=12"),
+        ("chat", {"max_completion_tokens": 250}, "max_completion_tokens", "num_kv_blocks=12"),
+        ("completions", {"n": 5}, "n", "max_num_seqs=4"),
+        ("chat", {"n": 5, "max_tokens": 4, "stream": True}, "n", "max_num_seqs=4"),
+        ("completions", {"top_p": 2}, "top_p", "top_p must be in (0, 1]"),
+        ("chat", {"top_p": 2}, "top_p", "top_p must be in (0, 1]"),
+        ("chat", {"max_tokens": 4,
+                  "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no"}}}},
+         "response_format", "StructuredOutputsParams.json is not valid"),
+    ],
+    ids=lambda value: json.dumps(value)[:40] if isinstance(value, dict) else str(value),
+)
+def test_engine_refusals_name_the_request_field_as_openai_param(small_server, endpoint, body, param, says):
+    """The engine's `ParameterError` names its field (`.parameter`); the server answers OpenAI's 400 with `param`
+    the request's own name for it: the prompt is "messages" in a chat, `max_tokens` may be sent as
+    `max_completion_tokens`. The limits come from this engine's options, so only the engine can refuse these."""
+    if endpoint == "chat":
+        request = {"model": MODEL, "messages": CONVERSATION, **body}
+    else:
+        request = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **body}
+    status, got = post(f"{small_server.base_url}/v1/{'chat/' if endpoint == 'chat' else ''}completions", request)
+    assert status == 400
+    assert got["error"]["param"] == param
+    assert (got["error"]["type"], got["error"]["code"]) == ("BadRequestError", 400)
+    assert param in got["error"]["message"] and says in got["error"]["message"], got["error"]["message"]
+    ok_status, ok = post(f"{small_server.base_url}/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+    assert ok_status == 200 and ok["usage"]["completion_tokens"] == 2  # and the server serves on
 
 
 # --- the other endpoints ----------------------------------------------------------------------------------

@@ -49,7 +49,8 @@ def llm() -> LLM:
 def constrained(seed: int | None, max_tokens: int = 64, **constraint) -> SamplingParams:
     temperature = 0.0 if seed is None else 1.0
     return SamplingParams(
-        temperature=temperature, seed=seed, max_tokens=max_tokens, structured_outputs=StructuredOutputsParams(**constraint)
+        temperature=temperature, seed=seed, max_tokens=max_tokens,
+        structured_outputs=StructuredOutputsParams(**constraint),
     )
 
 
@@ -66,7 +67,9 @@ def sweep() -> dict[str, list]:
     prompts, params = zip(*requests, strict=True)
     outputs = [o.outputs[0] for o in llm().generate(list(prompts), list(params), use_tqdm=False)]
     n = len(SEEDS)
-    return {"json": outputs[:n], "regex": outputs[n : 2 * n], "choice": outputs[2 * n : 3 * n], "free": outputs[3 * n :]}
+    return {
+        "json": outputs[:n], "regex": outputs[n : 2 * n], "choice": outputs[2 * n : 3 * n], "free": outputs[3 * n :]
+    }
 
 
 def test_every_json_output_parses_and_validates_against_its_schema():
@@ -101,8 +104,9 @@ def test_unconstrained_requests_in_the_same_batch_are_untouched():
 
 
 def test_n_samples_each_follow_their_own_grammar():
-    (output,) = llm().generate([JSON_PROMPT], SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=64,
-                                                           structured_outputs=StructuredOutputsParams(json=PERSON)), use_tqdm=False)
+    params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=64,
+                            structured_outputs=StructuredOutputsParams(json=PERSON))
+    (output,) = llm().generate([JSON_PROMPT], params, use_tqdm=False)
     for sample in output.outputs:
         jsonschema.validate(json.loads(sample.text), PERSON)
     assert len({s.text for s in output.outputs}) > 1
@@ -121,7 +125,9 @@ def new_manager() -> StructuredOutputManager:
     return StructuredOutputManager(llm().tokenizer, model_config.vocab_size, model_config.eos_token_id)
 
 
-def stream(engine: LLMEngine, requests: dict[str, tuple[str, SamplingParams]]) -> dict[str, tuple[list[int], str, FinishReason]]:
+def stream(
+    engine: LLMEngine, requests: dict[str, tuple[str, SamplingParams]]
+) -> dict[str, tuple[list[int], str, FinishReason]]:
     """Add the requests, step until the engine is idle, and join every request's DELTA outputs (those already in
     flight too): request id -> (tokens, text, finish reason)."""
     for request_id, (prompt, params) in requests.items():
@@ -145,11 +151,14 @@ def test_preemption_prefix_caching_and_streaming_keep_the_grammar_in_step():
     joined deltas are the valid JSON texts."""
     prompts = [JSON_PROMPT, JSON_PROMPT + " Alice.", JSON_PROMPT + " Bob.", JSON_PROMPT + " Carol."]
     requests = {f"r{i}": (prompt, constrained(None, json=PERSON)) for i, prompt in enumerate(prompts)}
-    alone = {rid: llm().generate([prompt], params, use_tqdm=False)[0].outputs[0] for rid, (prompt, params) in requests.items()}
+    alone = {rid: llm().generate([prompt], params, use_tqdm=False)[0].outputs[0]
+             for rid, (prompt, params) in requests.items()}
     engine = tight_engine()
     got = stream(engine, requests)
-    assert engine.engine_core.engine_core.scheduler.num_preemptions > 0, "the tight cache should have forced preemptions"
-    assert sum(step.num_cached_tokens for step in engine.stats.steps) > 0, "the shared prompt should hit the prefix cache"
+    scheduler = engine.engine_core.engine_core.scheduler
+    assert scheduler.num_preemptions > 0, "the tight cache should have forced preemptions"
+    cached = sum(step.num_cached_tokens for step in engine.stats.steps)
+    assert cached > 0, "the shared prompt should hit the prefix cache"
     for rid, (tokens, text, finish) in got.items():
         assert tokens == alone[rid].token_ids, rid
         assert text == alone[rid].text and finish is FinishReason.STOP
@@ -181,7 +190,8 @@ def test_a_constraint_that_does_not_compile_is_refused_and_disturbs_nothing():
         assert list(engine.engine_core.engine_core.scheduler.requests) == ["ok"]
         assert list(engine.output_processor.request_states) == ["ok"]
     tokens, text, finish = stream(engine, {})["ok"]
-    assert first + tokens == llm().generate([JSON_PROMPT], constrained(None, json=PERSON), use_tqdm=False)[0].outputs[0].token_ids
+    (alone,) = llm().generate([JSON_PROMPT], constrained(None, json=PERSON), use_tqdm=False)
+    assert first + tokens == alone.outputs[0].token_ids
 
 
 @pytest.mark.parametrize(
@@ -224,7 +234,8 @@ def test_bitmask_pack_unpack_and_apply_agree_with_a_bool_mask():
     logits = torch.randn(3, vocab_size, generator=generator)
     masked = apply_token_bitmask(logits, bitmask)
     assert torch.equal(masked[allowed], logits[allowed]) and torch.isneginf(masked[~allowed]).all()
-    assert torch.equal(unpack_token_bitmask(allocate_token_bitmask(2, vocab_size), vocab_size), torch.ones(2, vocab_size, dtype=torch.bool))
+    all_allowed = unpack_token_bitmask(allocate_token_bitmask(2, vocab_size), vocab_size)
+    assert torch.equal(all_allowed, torch.ones(2, vocab_size, dtype=torch.bool))
 
 
 def test_the_guidance_mask_allows_exactly_what_the_schema_allows_next():

@@ -95,7 +95,8 @@ def test_schedule_admits_prompts_until_the_token_budget_is_spent(impl):
         sched = make_scheduler(impl.Scheduler, budget=10)
         seqs = [waiting_seq(sched, i, n) for i, n in enumerate((4, 4, 5))]
         out = sched.schedule()
-    expect_equal(batch(out), [(0, 4), (1, 4), (2, 2)], inputs=f"{inputs}; (seq_id, tokens) scheduled — the third prompt gets the 2 tokens left")
+    expect_equal(batch(out), [(0, 4), (1, 4), (2, 2)],
+                 inputs=f"{inputs}; (seq_id, tokens) scheduled — the third prompt gets the 2 tokens left")
     expect_equal(out.new_seq_ids, [0, 1, 2], inputs=f"{inputs}; new_seq_ids")
     expect_equal([s.seq_id for s in sched.running], [0, 1, 2], inputs=f"{inputs}; running after the step")
     expect_equal([s.status for s in seqs], [SequenceStatus.RUNNING] * 3, inputs=f"{inputs}; statuses")
@@ -185,7 +186,8 @@ def test_schedule_advances_the_computed_tokens_of_what_it_schedules(impl):
         prompt = waiting_seq(sched, 1, 12)
         out = sched.schedule()
     expect_equal(batch(out), [(0, 1), (1, 7)], inputs=f"{inputs}; (seq_id, tokens) scheduled")
-    expect_equal(out.num_computed_tokens, [5, 0], inputs=f"{inputs}; out.num_computed_tokens (where each one's new tokens start)")
+    expect_equal(out.num_computed_tokens, [5, 0],
+                 inputs=f"{inputs}; out.num_computed_tokens (where each one's new tokens start)")
     expect_equal((decoder.num_computed_tokens, prompt.num_computed_tokens), (6, 7),
                  inputs=f"{inputs}; num_computed_tokens of ids 0, 1 after schedule() — the scheduler is its one writer")
 
@@ -244,7 +246,8 @@ def test_schedule_preempts_the_newest_when_blocks_run_out(impl):
         out = sched.schedule()
     expect_equal(batch(out), [(0, 1)], inputs=f"{inputs}; (seq_id, tokens) scheduled")
     expect_equal(out.preempted_seq_ids, [1], inputs=f"{inputs}; preempted_seq_ids (FCFS: the last to start)")
-    expect_equal([s.seq_id for s in sched.waiting], [1, 2], inputs=f"{inputs}; waiting queue (no admission in a step that preempts)")
+    expect_equal([s.seq_id for s in sched.waiting], [1, 2],
+                 inputs=f"{inputs}; waiting queue (no admission in a step that preempts)")
     expect_equal((len(first.block_table), len(second.block_table)), (3, 0), inputs=f"{inputs}; blocks held by ids 0, 1")
     expect_equal(sched.kv_cache_manager.num_free_blocks, 2, inputs=f"{inputs}; free blocks")
 
@@ -278,10 +281,13 @@ def test_schedule_starts_an_admitted_prompt_at_its_cached_tokens(impl):
         second = Sequence(1, list(range(10, 18)) + [90, 91, 92])
         sched.add_seq(second)
         out = sched.schedule()
-    expect_equal(batch(out), [(1, 3)], inputs=f"{inputs}; (seq_id, tokens) scheduled — only the 3 tokens after the 2 cached blocks")
+    expect_equal(batch(out), [(1, 3)],
+                 inputs=f"{inputs}; (seq_id, tokens) scheduled — only the 3 tokens after the 2 cached blocks")
     expect_equal(out.num_cached_tokens, {1: 8}, inputs=f"{inputs}; num_cached_tokens")
-    expect_equal(out.num_computed_tokens, [8], inputs=f"{inputs}; out.num_computed_tokens (where id 1's new tokens start)")
-    expect_equal(second.num_computed_tokens, 11, inputs=f"{inputs}; num_computed_tokens of id 1 after schedule() (8 cached + 3 scheduled)")
+    expect_equal(out.num_computed_tokens, [8],
+                 inputs=f"{inputs}; out.num_computed_tokens (where id 1's new tokens start)")
+    expect_equal(second.num_computed_tokens, 11,
+                 inputs=f"{inputs}; num_computed_tokens of id 1 after schedule() (8 cached + 3 scheduled)")
     expect_equal(len(second.block_table), 3, inputs=f"{inputs}; blocks of id 1 (2 cached + 1 new; {cached_blocks})")
     expect_equal((out.num_prefill_tokens, out.num_decode_tokens), (3, 0), inputs=f"{inputs}; (prefill, decode) tokens")
 
@@ -302,7 +308,8 @@ def test_schedule_chunks_a_cached_prompt_from_its_cached_tokens(impl):
             steps.append((batch(out), list(out.num_computed_tokens)))
             run_batch(out, sched)
     expect_equal(steps, [([(1, 2)], [8]), ([(1, 2)], [10]), ([(1, 1)], [12])],
-                 inputs=f"{inputs}; per step: (seq_id, tokens) scheduled and out.num_computed_tokens (where they start)")
+                 inputs=f"{inputs}; per step: (seq_id, tokens) scheduled and out.num_computed_tokens (where they "
+                 "start)")
 
 
 @pytest.mark.exercise("Scheduler")
@@ -315,12 +322,16 @@ def test_schedule_resumes_a_preempted_sequence_where_it_was(impl):
         sched._preempt_request(resumed, SchedulerOutput())
         newcomer = waiting_seq(sched, 1, 3)
         out = sched.schedule()
-    expect_equal(batch(out), [(0, 1), (1, 3)], inputs=f"{inputs}; (seq_id, tokens) scheduled — id 0 finds its 8 tokens cached")
+    expect_equal(batch(out), [(0, 1), (1, 3)],
+                 inputs=f"{inputs}; (seq_id, tokens) scheduled — id 0 finds its 8 tokens cached")
     expect_equal((out.resumed_seq_ids, out.new_seq_ids), ([0], [1]), inputs=f"{inputs}; (resumed_seq_ids, new_seq_ids)")
     expect_equal(out.num_cached_tokens, {0: 8, 1: 0}, inputs=f"{inputs}; num_cached_tokens")
-    expect_equal((resumed.status, newcomer.status), (SequenceStatus.RUNNING, SequenceStatus.RUNNING), inputs=f"{inputs}; statuses")
-    expect_equal(out.num_computed_tokens, [8, 0], inputs=f"{inputs}; out.num_computed_tokens (where each one's new tokens start)")
-    expect_equal((resumed.num_computed_tokens, resumed.num_tokens), (9, 9), inputs=f"{inputs}; id 0's (computed, total) tokens after schedule()")
+    expect_equal((resumed.status, newcomer.status), (SequenceStatus.RUNNING, SequenceStatus.RUNNING),
+                 inputs=f"{inputs}; statuses")
+    expect_equal(out.num_computed_tokens, [8, 0],
+                 inputs=f"{inputs}; out.num_computed_tokens (where each one's new tokens start)")
+    expect_equal((resumed.num_computed_tokens, resumed.num_tokens), (9, 9),
+                 inputs=f"{inputs}; id 0's (computed, total) tokens after schedule()")
     expect_equal([s.seq_id for s in sched.running], [0, 1], inputs=f"{inputs}; running")
 
 
@@ -340,7 +351,8 @@ def test_schedule_resumes_without_a_prefix_cache_from_scratch(impl):
         record.append((batch(second), second.resumed_seq_ids, second.new_seq_ids, resumed.status))
     want = [([(0, 9)], [0], [], SequenceStatus.RUNNING), ([(0, 1)], [], [], SequenceStatus.RUNNING)]
     expect_equal(record, want, inputs=f"{inputs}; per step: (batch, resumed_seq_ids, new_seq_ids, status of id 0)")
-    expect_equal((second.num_decode_tokens, second.num_prefill_tokens), (1, 0), inputs=f"{inputs}; (decode, prefill) of step 2")
+    expect_equal((second.num_decode_tokens, second.num_prefill_tokens), (1, 0),
+                 inputs=f"{inputs}; (decode, prefill) of step 2")
 
 
 # --- allocate_or_preempt -----------------------------------------------------------------------------------------
@@ -373,7 +385,8 @@ def test_allocate_or_preempt_allocates_when_blocks_are_free(impl):
     got = call_allocate_or_preempt(impl, sched, first, 1, out, {}, inputs)
     expect_equal(got, ([], 0), inputs=f"{inputs}; (copies, budget handed back)")
     expect_equal(out.preempted_seq_ids, [], inputs=f"{inputs}; preempted_seq_ids")
-    expect_equal((len(first.block_table), sched.kv_cache_manager.num_free_blocks), (3, 3), inputs=f"{inputs}; (blocks of id 0, free blocks)")
+    expect_equal((len(first.block_table), sched.kv_cache_manager.num_free_blocks), (3, 3),
+                 inputs=f"{inputs}; (blocks of id 0, free blocks)")
 
 
 @pytest.mark.exercise("allocate_or_preempt")
@@ -424,8 +437,10 @@ def test_allocate_or_preempt_stops_when_the_victim_is_the_sequence_itself(impl):
     expect_equal(got, (None, 0), inputs=f"{inputs}; (copies, budget handed back): None, id 1 was its own victim")
     expect_equal(batch(out), [(0, 1)], inputs=f"{inputs}; the batch (id 0 keeps its place)")
     expect_equal(out.preempted_seq_ids, [1], inputs=f"{inputs}; preempted_seq_ids")
-    expect_equal(([s.seq_id for s in sched.running], [s.seq_id for s in sched.waiting]), ([0], [1]), inputs=f"{inputs}; (running, waiting)")
-    expect_equal((second.block_table, sched.kv_cache_manager.num_free_blocks), ([], 2), inputs=f"{inputs}; (id 1's blocks, free blocks)")
+    expect_equal(([s.seq_id for s in sched.running], [s.seq_id for s in sched.waiting]), ([0], [1]),
+                 inputs=f"{inputs}; (running, waiting)")
+    expect_equal((second.block_table, sched.kv_cache_manager.num_free_blocks), ([], 2),
+                 inputs=f"{inputs}; (id 1's blocks, free blocks)")
 
 
 @pytest.mark.exercise("allocate_or_preempt")
@@ -444,7 +459,8 @@ def test_allocate_or_preempt_takes_a_scheduled_victim_out_of_the_batch(impl):
     expect_equal(got, ([], 4), inputs=f"{inputs}; (copies, budget handed back: id 1's 4 tokens)")
     expect_equal(out.preempted_seq_ids, [1], inputs=f"{inputs}; preempted_seq_ids (the lowest priority: largest value)")
     expect_equal(batch(out), [], inputs=f"{inputs}; the batch (the victim taken out)")
-    expect_equal((out.num_prefill_tokens, out.num_decode_tokens), (0, 0), inputs=f"{inputs}; the batch's (prefill, decode) tokens")
+    expect_equal((out.num_prefill_tokens, out.num_decode_tokens), (0, 0),
+                 inputs=f"{inputs}; the batch's (prefill, decode) tokens")
     expect_equal(sched.kv_cache_manager.num_free_blocks, 1, inputs=f"{inputs}; free blocks")
 
 
@@ -465,7 +481,8 @@ def test_allocate_or_preempt_priority_ties_go_to_the_latest_arrival(impl):
 
 @pytest.mark.exercise("allocate_or_preempt")
 def test_preempted_sequences_resume_with_hugging_faces_tokens(impl, monkeypatch):
-    monkeypatch.setattr(scheduler_module, "allocate_or_preempt", impl.allocate_or_preempt)  # the engine's scheduler now preempts with yours
+    # the engine's scheduler now preempts with yours
+    monkeypatch.setattr(scheduler_module, "allocate_or_preempt", impl.allocate_or_preempt)
     folder = tiny_checkpoint("llama-gqa")
     inputs = "tiny llama-gqa, 4 prompts of 8-14 tokens, 16 new tokens each, 12 blocks of 4 (preemptions)"
     for policy, priority in (("fcfs", None), ("priority", [2, 0, 1, 0])):
@@ -498,7 +515,8 @@ def mixed_step() -> SchedulerOutput:
     return SchedulerOutput(scheduled_seqs=[a, b, c], num_scheduled_tokens=[1, 4, 3])
 
 
-MIXED = "a mixed step, block_size 4: A decodes position 5 (table [3, 1]), B prefills positions 4-7 (table [0, 2, 5]), C positions 0-2 (table [6])"
+MIXED = ("a mixed step, block_size 4: A decodes position 5 (table [3, 1]), B prefills positions 4-7 (table [0, 2, 5]), "
+         "C positions 0-2 (table [6])")
 
 
 @pytest.mark.exercise("prepare_inputs")
@@ -535,7 +553,8 @@ def test_prepare_inputs_starts_where_the_scheduler_output_says(impl):
     step = mixed_step()
     scheduler_module.advance_computed_tokens(step)  # as `schedule()` leaves them: already past this step's tokens
     input_ids, positions, metadata = impl.prepare_inputs(step, 4)
-    inputs = f"{MIXED}, with the sequences already advanced by the scheduler (read the starts from scheduler_output.num_computed_tokens)"
+    inputs = (f"{MIXED}, with the sequences already advanced by the scheduler (read the starts from "
+              "scheduler_output.num_computed_tokens)")
     expect_equal(positions.tolist(), [5, 4, 5, 6, 7, 0, 1, 2], inputs=f"{inputs}; positions")
     expect_equal(input_ids.tolist(), [16, 24, 25, 26, 27, 40, 41, 42], inputs=f"{inputs}; input_ids")
     expect_equal(metadata.slot_mapping.tolist(), [5, 8, 9, 10, 11, 24, 25, 26], inputs=f"{inputs}; slot_mapping")
@@ -547,7 +566,8 @@ def test_prepare_inputs_changes_no_sequence(impl):
     impl.prepare_inputs(step, 4)
     state = [(s.num_computed_tokens, s.num_tokens, list(s.block_table)) for s in step.scheduled_seqs]
     expect_equal(state, [(5, 6, [3, 1]), (4, 10, [0, 2, 5]), (0, 3, [6])],
-                 inputs=f"{MIXED}; (num_computed_tokens, num_tokens, block_table) afterwards — the scheduler advances them, not prepare_inputs")
+                 inputs=f"{MIXED}; (num_computed_tokens, num_tokens, block_table) afterwards — the scheduler "
+                 "advances them, not prepare_inputs")
 
 
 # --- sampling_rows -----------------------------------------------------------------------------------------------
@@ -564,7 +584,8 @@ def call_sampling_rows(impl, out: SchedulerOutput, inputs: str) -> tuple[list[in
     with exercising("sampling_rows", inputs):
         result = impl.sampling_rows(out)
     if not (isinstance(result, tuple) and len(result) == 2 and len(result[0]) == len(result[1])):
-        raise AssertionError(f"on input {inputs}: expected (rows, seqs), two lists of equal length, got {result!r:.100}")
+        raise AssertionError(
+            f"on input {inputs}: expected (rows, seqs), two lists of equal length, got {result!r:.100}")
     rows, seqs = result
     if not all(type(row) is int for row in rows):
         raise AssertionError(f"on input {inputs}: expected rows as ints (indices into the logits), got {rows!r:.100}")
@@ -593,7 +614,8 @@ def test_sampling_rows_forked_samples_share_their_parents_row(impl):
               "(n=3); Q (id 2) computes the first 4 tokens of its 9")
     rows, seq_ids = call_sampling_rows(impl, out, inputs)
     expect_equal(rows, [0, 1, 1, 1], inputs=f"{inputs}; rows, in batch order (P's row once for each of its 3 samples)")
-    expect_equal(sorted(zip(rows, seq_ids)), [(0, 0), (1, 1), (1, 10), (1, 11)], inputs=f"{inputs}; (row, seq_id) pairs")
+    expect_equal(sorted(zip(rows, seq_ids)), [(0, 0), (1, 1), (1, 10), (1, 11)],
+                 inputs=f"{inputs}; (row, seq_id) pairs")
 
 
 @pytest.mark.exercise("sampling_rows")
@@ -610,7 +632,8 @@ def test_sampling_rows_waits_for_the_end_of_a_recompute(impl):
               "0-6 (its prompt and 1 output; 2 left), id 1 tokens 7-8 (the last)")
     rows, seq_ids = call_sampling_rows(impl, out, inputs)
     expect_equal((rows, seq_ids), ([1], [1]),
-                 inputs=f"{inputs}; (rows, seq_ids): a sequence samples once ALL its tokens are computed, not its prompt")
+                 inputs=f"{inputs}; (rows, seq_ids): a sequence samples once ALL its tokens are computed, not its "
+                 "prompt")
 
 
 @pytest.mark.exercise("sampling_rows")
@@ -640,7 +663,8 @@ def test_sampling_rows_in_the_engine_gives_every_sample_its_tokens(impl):
     inputs = ("tiny llama-gqa, budget 8, long_prefill_token_threshold 4 (prompts in chunks), your sampling_rows in "
               "the engine: an 11-token prompt with n=3 (greedy), a 13-token prompt sampled with seed 7 (temperature "
               "1, top_p 0.9), a 2-token prompt (greedy)")
-    expect_equal(got.get("forked"), [hf_greedy(folder, tuple(forked), 6)] * 3, inputs=f"{inputs}; the 3 samples of 'forked'")
+    expect_equal(got.get("forked"), [hf_greedy(folder, tuple(forked), 6)] * 3,
+                 inputs=f"{inputs}; the 3 samples of 'forked'")
     expect_equal(got.get("seeded"), [alone], inputs=f"{inputs}; 'seeded' (oracle: the reference engine, the request "
                  "alone and unchunked) — a chunk must not use up the request's random numbers")
     expect_equal(got.get("short"), [hf_greedy(folder, (5, 6), 6)], inputs=f"{inputs}; 'short'")
@@ -678,7 +702,8 @@ def run_core(step, core, limit: int = 300) -> tuple[dict[str, list[list[int]]], 
             return {r: [samples[i] for i in sorted(samples)] for r, samples in tokens.items()}, stats
         outputs = step(core)
         if not isinstance(outputs, EngineCoreOutputs):
-            raise AssertionError(f"a step must return the EngineCoreOutputs of update_from_output, got {outputs!r:.100}")
+            raise AssertionError(
+                f"a step must return the EngineCoreOutputs of update_from_output, got {outputs!r:.100}")
         for output in outputs.outputs:  # one per sample that got tokens (or its cached-token count) this step
             tokens.setdefault(output.request_id, {}).setdefault(output.index, []).extend(output.new_token_ids)
         stats.append(outputs.scheduler_stats)
@@ -764,7 +789,8 @@ def test_engine_step_samples_a_constrained_request_within_its_grammar(impl):
     engine = LLMEngine.from_engine_args(EngineArgs(model="smollm2-135m", block_size=16, num_kv_blocks=32,
                                                    max_model_len=256))
     core = engine.engine_core.engine_core
-    constrained = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=CHOICES))
+    constrained = SamplingParams(temperature=0.0, max_tokens=8,
+                                 structured_outputs=StructuredOutputsParams(choice=CHOICES))
     engine.add_request("choice", CAPSTONE_PROMPTS[0], constrained)
     engine.add_request("free", CAPSTONE_PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     inputs = (f"SmolLM2-135M, CAPSTONE_PROMPTS[0] (\"What is the capital of France?\") twice, greedy: once with "
@@ -828,7 +854,8 @@ def test_top_p_matches_a_sorting_oracle_per_row(impl, seed):
     logits = random_rows(seed)
     p = between_masses(logits, [0, 2, 4, 7, 10])
     got = impl.apply_top_p(logits.clone(), torch.tensor(p))
-    expect_filtered(got, logits, oracle_top_p(logits, p), f"random logits (5, 12) seed {seed}, top_p {[round(x, 3) for x in p]}")
+    expect_filtered(got, logits, oracle_top_p(logits, p),
+                    f"random logits (5, 12) seed {seed}, top_p {[round(x, 3) for x in p]}")
 
 
 @pytest.mark.exercise("apply_top_p")

@@ -4,8 +4,8 @@ Megatron-LM's split of a transformer layer, as vLLM does it. Within a layer, two
 with only per-unit work between them, so the first is split by its outputs (*column parallel*: each rank
 computes some heads, or some hidden units) and the second by its inputs (*row parallel*: each rank multiplies
 its own slice and gets a partial sum of the full output). One all-reduce per pair makes the partial sums whole:
-    attention   q/k/v_proj column parallel (each rank: its heads)  →  attention on those heads  →  o_proj row parallel
-    MLP         gate/up_proj column parallel (its hidden units)    →  SwiGLU                     →  down_proj row parallel
+    attention   q/k/v_proj column parallel (each rank: its heads)  →  attention on its heads  →  o_proj row parallel
+    MLP         gate/up_proj column parallel (its hidden units)    →  SwiGLU                   →  down_proj row parallel
 Attention needs nothing from other ranks in between because heads are independent, and the K/V a rank's query
 heads read are the K/V heads it computes itself — so each rank's KV cache holds only its own heads, in the same
 blocks (one block table serves every rank).
@@ -66,7 +66,8 @@ def partition(config: ModelConfig, tp_size: int) -> list[Partition]:
         q_ranges = [(h * group + a, h * group + b) for h in range(kv) for a, b in split_evenly(group, replicas)]
     return [
         Partition(q, k, i, v) for q, k, i, v in zip(
-            q_ranges, kv_ranges, split_evenly(config.intermediate_size, tp_size), split_evenly(config.vocab_size, tp_size),
+            q_ranges, kv_ranges, split_evenly(config.intermediate_size, tp_size),
+            split_evenly(config.vocab_size, tp_size),
             strict=True,
         )
     ]

@@ -33,8 +33,8 @@ from solutions.core.sched.request_queue import SchedulingPolicy
 from solutions.exceptions import ParameterError
 from solutions.model.config import ModelConfig as HFConfig
 from solutions.model.loader import DEFAULT_MODEL, resolve_model
+from solutions.worker.model_runner import ATTENTION_BACKENDS
 
-ATTENTION_BACKENDS = ("torch", "inductor", "triton")
 SCHEDULING_POLICIES = tuple(policy.value for policy in SchedulingPolicy)
 DEVICES = ("cpu", "cuda")
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "external_launcher")  # workers this process starts; every rank by torchrun

@@ -25,8 +25,9 @@ two threads on two oversubscribed cores); `OMP_NUM_THREADS=1` in the environment
 The child process is started with "spawn" (a fresh interpreter, not a fork of this one: forking a process that
 has started threads — tokenizers, OpenMP, the event loop — can deadlock the child). So the child imports
 everything again and builds its own `EngineCoreProc` from the same `VllmConfig`; its entry point must be a
-top-level function (`run_engine_core`). It ignores Ctrl-C, which the terminal sends to the whole process group: stopping the core
-is the front end's decision (`shutdown`), and an orphaned core notices its parent is gone and exits.
+top-level function (`run_engine_core`). It ignores Ctrl-C, which the terminal sends to the whole process group:
+stopping the core is the front end's decision (`shutdown`), and an orphaned core notices its parent is gone and
+exits.
 
 A child can also die without a word (killed, out of memory, a segfault in a kernel). `MPClient.get_output`
 therefore waits in short slices and checks `process.is_alive()` between them, and reports a silent death as

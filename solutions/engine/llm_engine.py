@@ -58,10 +58,7 @@ class LLMEngine:
         """Queue several (request_id, prompt, params, priority) at once: all are validated before any is queued,
         so one bad request raises and leaves the engine exactly as it was."""
         processed = [self.processor.process_inputs(*request) for request in requests]
-        ids = [request.request_id for _, request in processed]
-        if len(set(ids)) < len(ids) or any(i in self.output_processor.request_states for i in ids):
-            taken = sorted(i for i in ids if ids.count(i) > 1 or i in self.output_processor.request_states)
-            raise ParameterError(f"request_id {taken[0]!r} is already in use by an unfinished request", "request_id")
+        self.output_processor.check_new_request_ids([request.request_id for _, request in processed])
         for prompt_text, request in processed:
             self.output_processor.add_request(prompt_text, request)
             self.engine_core.add_request(request)

@@ -189,12 +189,15 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
 
+    def check_new_request_ids(self, request_ids: list[str]) -> None:
+        """ParameterError if one of these ids is still in use, or given twice: the one check of request ids."""
+        taken = [i for n, i in enumerate(request_ids) if i in self.request_states or i in request_ids[:n]]
+        if taken:
+            raise ParameterError(f"request_id {taken[0]!r} is already in use by an unfinished request", "request_id")
+
     def add_request(self, prompt: str | None, request: EngineCoreRequest) -> None:
         """Register a request before it is sent to the core (ParameterError if its id is still in use)."""
-        if request.request_id in self.request_states:
-            raise ParameterError(
-                f"request_id {request.request_id!r} is already in use by an unfinished request", "request_id"
-            )
+        self.check_new_request_ids([request.request_id])
         self.request_states[request.request_id] = RequestState(prompt, request, self.tokenizer)
 
     def abort_requests(self, request_ids: list[str]) -> None:

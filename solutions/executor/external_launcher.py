@@ -48,7 +48,8 @@ class ExecutorWithExternalLauncher(Executor):
         device = vllm_config.device_config.device  # on GPUs: this rank's own (the config chose it)
         init_tensor_parallel(rank, world_size, "env://", device=device.type)
         eager = {"enforce_eager": True} if device.type == "cuda" else {}  # NCCL: no CUDA graphs across ranks
-        self.model_runner = ModelRunner.from_config(shard_model(self.load_model(), rank, world_size), vllm_config, **eager)
+        model = shard_model(self.load_model(), rank, world_size)
+        self.model_runner = ModelRunner.from_config(model, vllm_config, **eager)
 
     def shutdown(self) -> None:
         destroy_tensor_parallel()

@@ -131,7 +131,8 @@ class NoChunking(_Template):
     """All or nothing: a prompt that does not fit in the budget left waits for a later step."""
 
     def _num_new(self, behind: int, budget: int) -> int:
-        return min(behind, self.long_prefill_token_threshold) if min(behind, self.long_prefill_token_threshold) <= budget else 0
+        num_new = min(behind, self.long_prefill_token_threshold)
+        return num_new if num_new <= budget else 0
 
     def _admit(self, out, copies, budget):
         if self.waiting and self._num_new(self.waiting.peek().num_tokens, budget) == 0:
@@ -264,7 +265,8 @@ def allocate_or_preempt_priority_picks_the_smallest(
 ) -> tuple[list[tuple[int, int]] | None, int]:
     """PRIORITY: preempts the smallest `priority` value, which is the most important request."""
     key = lambda s: (-s.priority, s.arrival, s.seq_id)  # noqa: E731
-    return _allocate_or_preempt(scheduler, seq, num_new_tokens, out, copies, choose=lambda s: _victim(s, priority_key=key))
+    return _allocate_or_preempt(scheduler, seq, num_new_tokens, out, copies,
+                                choose=lambda s: _victim(s, priority_key=key))
 
 
 def allocate_or_preempt_priority_ties_to_the_oldest(
@@ -273,7 +275,8 @@ def allocate_or_preempt_priority_ties_to_the_oldest(
 ) -> tuple[list[tuple[int, int]] | None, int]:
     """PRIORITY: among equal priorities, preempts the earliest arrival instead of the latest."""
     key = lambda s: (s.priority, -s.arrival, -s.seq_id)  # noqa: E731
-    return _allocate_or_preempt(scheduler, seq, num_new_tokens, out, copies, choose=lambda s: _victim(s, priority_key=key))
+    return _allocate_or_preempt(scheduler, seq, num_new_tokens, out, copies,
+                                choose=lambda s: _victim(s, priority_key=key))
 
 
 def allocate_or_preempt_forgets_the_budget(
@@ -322,7 +325,8 @@ def _prepare(scheduler_output: SchedulerOutput, block_size: int, *, position_sta
         positions += range(position_start(start), position_start(start) + num_new)
         first_slot = start if slot_start is None else slot_start(start)
         slots += slot_mapping(seq.block_table, first_slot, first_slot + num_new, block_size)
-        query_start_loc.append(query_start_loc[-1] + num_new if query_end is None else query_end(query_start_loc[-1], num_new))
+        previous = query_start_loc[-1]
+        query_start_loc.append(previous + num_new if query_end is None else query_end(previous, num_new))
         seq_lens.append(seq_len(end, num_new))
     metadata = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long),
@@ -377,7 +381,8 @@ def prepare_inputs_last_token_only(
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Feeds each sequence only its newest token, as a decode-only engine would."""
     seqs = scheduler_output.scheduled_seqs
-    input_ids = [seq.token_ids[seq.num_computed_tokens + n - 1] for seq, n in zip(seqs, scheduler_output.num_scheduled_tokens)]
+    input_ids = [seq.token_ids[seq.num_computed_tokens + n - 1]
+                 for seq, n in zip(seqs, scheduler_output.num_scheduled_tokens)]
     ends = [seq.num_computed_tokens + n for seq, n in zip(seqs, scheduler_output.num_scheduled_tokens)]
     metadata = AttentionMetadata(
         slot_mapping=torch.tensor([slot_mapping(s.block_table, e - 1, e, block_size)[0] for s, e in zip(seqs, ends)]),
@@ -557,10 +562,13 @@ MUTANTS = {
     "schedule_never_advances_the_batch": {"Scheduler": NeverAdvancesTheBatch},
     "schedule_counts_only_running_sequences": {"Scheduler": CountsOnlyRunningSequences},
     "allocate_or_preempt_picks_the_first": {"allocate_or_preempt": allocate_or_preempt_picks_the_first},
-    "allocate_or_preempt_priority_picks_the_smallest": {"allocate_or_preempt": allocate_or_preempt_priority_picks_the_smallest},
-    "allocate_or_preempt_priority_ties_to_the_oldest": {"allocate_or_preempt": allocate_or_preempt_priority_ties_to_the_oldest},
+    "allocate_or_preempt_priority_picks_the_smallest":
+        {"allocate_or_preempt": allocate_or_preempt_priority_picks_the_smallest},
+    "allocate_or_preempt_priority_ties_to_the_oldest":
+        {"allocate_or_preempt": allocate_or_preempt_priority_ties_to_the_oldest},
     "allocate_or_preempt_forgets_the_budget": {"allocate_or_preempt": allocate_or_preempt_forgets_the_budget},
-    "allocate_or_preempt_keeps_the_victim_scheduled": {"allocate_or_preempt": allocate_or_preempt_keeps_the_victim_scheduled},
+    "allocate_or_preempt_keeps_the_victim_scheduled":
+        {"allocate_or_preempt": allocate_or_preempt_keeps_the_victim_scheduled},
     "allocate_or_preempt_only_once": {"allocate_or_preempt": allocate_or_preempt_only_once},
     "allocate_or_preempt_runs_past_itself": {"allocate_or_preempt": allocate_or_preempt_runs_past_itself},
     "prepare_inputs_reads_the_sequences": {"prepare_inputs": prepare_inputs_reads_the_sequences},

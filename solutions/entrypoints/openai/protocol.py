@@ -68,7 +68,9 @@ class StructuredOutputsFields(OpenAIRequest):
     grammar: str | None = None
 
 
-STRUCTURED_OUTPUT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+STRUCTURED_OUTPUT_FIELDS = (
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"
+)
 
 
 class SamplingFields(OpenAIRequest):
