@@ -491,7 +491,8 @@ def main() -> None:
         cuda_main(args)
         return
 
-    from grading.tiny_models import hf_model
+    from transformers import AutoModelForCausalLM
+
     from solutions.attention.paged import KVCache
     from solutions.model.loader import load_tokenizer, resolve_model
 
@@ -514,7 +515,9 @@ def main() -> None:
         model = result.pop("model")
         del result["llm"]
         engines[name] = result
-    hf = hf_model(resolve_model(MODEL))
+    hf = AutoModelForCausalLM.from_pretrained(
+        resolve_model(MODEL), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     hf_static = run_hf_generate(hf, prompts, output_lens, pad_id)
     hf_cb = run_hf_generate_batch(hf, prompts, output_lens)

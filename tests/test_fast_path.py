@@ -9,8 +9,8 @@ import torch._dynamo
 from grading.parity import assert_greedy_close, hf_greedy, hf_oracle
 from grading.tiny_models import tiny_checkpoint
 from solutions import LLM, SamplingParams
-from solutions.attention.cpu_kernels import paged_decode_attention as c_paged_decode_attention
-from solutions.attention.inductor_backend import compiled_paged_decode_attention, paged_decode_attention
+from solutions.attention.cpu_kernels import c_paged_decode_attention
+from solutions.attention.inductor_backend import compiled_paged_decode_attention, torch_paged_decode_attention
 from solutions.attention.torch_backend import batched_decode_attention
 from solutions.model.loader import resolve_model
 
@@ -55,7 +55,7 @@ def test_in_place_decode_attention_equals_the_gather_then_sdpa(num_seqs, max_blo
     seq_lens = torch.randint(1, max_blocks * block_size + 1, (num_seqs,), generator=g)
     q = torch.randn(num_seqs, num_kv_heads * group, D, generator=g)
     expected = batched_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, D**-0.5)
-    for attend in (paged_decode_attention, compiled_paged_decode_attention, c_paged_decode_attention):
+    for attend in (torch_paged_decode_attention, compiled_paged_decode_attention, c_paged_decode_attention):
         got = attend(q, key_cache, value_cache, block_tables, seq_lens, D**-0.5)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 

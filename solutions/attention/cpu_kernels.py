@@ -76,7 +76,7 @@ def supports(q: torch.Tensor, key_cache: torch.Tensor) -> bool:
     )
 
 
-def paged_decode_attention(
+def c_paged_decode_attention(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float,
 ) -> torch.Tensor:

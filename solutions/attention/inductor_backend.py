@@ -31,7 +31,7 @@ from solutions.attention import cpu_kernels
 from solutions.attention.torch_backend import TorchAttentionBackend
 
 
-def paged_decode_attention(
+def torch_paged_decode_attention(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float,
 ) -> torch.Tensor:
@@ -55,14 +55,14 @@ def paged_decode_attention(
     return out.reshape(Bd, Hq, D)
 
 
-_compiled = torch.compile(paged_decode_attention, dynamic=True)
+_compiled = torch.compile(torch_paged_decode_attention, dynamic=True)
 
 
 def compiled_paged_decode_attention(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    """`paged_decode_attention`, compiled on first call for every batch and context (dynamic shapes).
+    """`torch_paged_decode_attention`, compiled on first call for every batch and context (dynamic shapes).
 
     PyTorch compiles a size of 1 as a constant, so a lone decoding sequence, or a table of one block, would each
     cost a compile of their own; they are padded to two rows (the extra row reads one slot of block 0 and is
@@ -87,7 +87,7 @@ def fast_decode_attention(
     """In place: the hand-written C kernel where it applies (`cpu_kernels.supports`: fp32 on the CPU, heads of a
     multiple of 16 floats), else the compiled loop above (bf16, odd head sizes)."""
     if cpu_kernels.supports(q, key_cache):
-        return cpu_kernels.paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale)
+        return cpu_kernels.c_paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale)
     return compiled_paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale)
 
 
