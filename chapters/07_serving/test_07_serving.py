@@ -147,7 +147,8 @@ def test_run_busy_loop_serves_requests_with_one_message_per_step(impl):
     expect_equal(tokens_by_request(messages), {r: offline(p, 4) for r, p in prompts.items()},
                  inputs=f"{inputs}; tokens per request (oracle: LLM.generate)")
     expect_equal([sorted(o.request_id for o in m.outputs) for m in step_messages(messages)], [["a", "b"]] * 4,
-                 inputs=f"{inputs}; request ids in each step's message (both admitted at the first step, one message per step)")
+                 inputs=f"{inputs}; request ids in each step's message (both admitted at the first step, one message "
+                 "per step)")
 
 
 @pytest.mark.exercise("run_busy_loop")
@@ -160,7 +161,8 @@ def test_run_busy_loop_takes_every_waiting_message_before_a_step(impl):
     messages = loop.messages_until(finished("new0", "new1", "new2"), inputs)
     loop.stop(inputs)
     first = next(m for m in step_messages(messages) if any(o.request_id.startswith("new") for o in m.outputs))
-    expect_equal(sorted(o.request_id for o in first.outputs if o.request_id.startswith("new")), ["new0", "new1", "new2"],
+    new_ids = sorted(o.request_id for o in first.outputs if o.request_id.startswith("new"))
+    expect_equal(new_ids, ["new0", "new1", "new2"],
                  inputs=f"{inputs}; the new requests in the first step that serves any of them (all must join it)")
 
 
@@ -208,7 +210,8 @@ def test_run_busy_loop_blocks_while_idle(impl):
 
 @pytest.mark.exercise("run_busy_loop")
 def test_run_busy_loop_returns_when_the_front_end_is_gone(impl):
-    inputs = f"idle, and parent_alive() turns False (the idle wait is at most IDLE_POLL_SECONDS={core.IDLE_POLL_SECONDS})"
+    inputs = ("idle, and parent_alive() turns False (the idle wait is at most "
+              f"IDLE_POLL_SECONDS={core.IDLE_POLL_SECONDS})")
     gone = threading.Event()
     loop = LoopUnderTest(impl, parent_alive=lambda: not gone.is_set())
     time.sleep(0.1)
@@ -238,8 +241,10 @@ def completions(output: RequestOutput) -> list[tuple]:
 @pytest.mark.exercise("merge_delta")
 def test_merge_delta_concatenates_one_sample(impl):
     inputs = "pending: ' Once' [11]; new: ' upon a' [12, 13], finished with 'length'"
-    merged = impl.merge_delta(delta((0, " Once", [11])), delta((0, " upon a", [12, 13], FinishReason.LENGTH), finished=True))
-    expect_equal(completions(merged), [(0, " Once upon a", [11, 12, 13], FinishReason.LENGTH)], inputs=f"{inputs}; samples")
+    new = delta((0, " upon a", [12, 13], FinishReason.LENGTH), finished=True)
+    merged = impl.merge_delta(delta((0, " Once", [11])), new)
+    expect_equal(completions(merged), [(0, " Once upon a", [11, 12, 13], FinishReason.LENGTH)],
+                 inputs=f"{inputs}; samples")
     expect_equal(merged.finished, True, inputs=f"{inputs}; finished (the newer output's)")
 
 
@@ -248,7 +253,8 @@ def test_merge_delta_matches_samples_by_index(impl):
     inputs = "n=3: pending has samples 2 and 0; new has samples 0 and 1 (a sample moves only when it has a token)"
     pending = delta((2, "c", [3]), (0, "a", [1]))
     merged = impl.merge_delta(pending, delta((0, "A", [10]), (1, "B", [20], FinishReason.STOP)))
-    expect_equal(completions(merged), [(0, "aA", [1, 10], None), (1, "B", [20], FinishReason.STOP), (2, "c", [3], None)],
+    expect_equal(completions(merged),
+                 [(0, "aA", [1, 10], None), (1, "B", [20], FinishReason.STOP), (2, "c", [3], None)],
                  inputs=f"{inputs}; samples, by index")
 
 
@@ -257,7 +263,8 @@ def test_merge_delta_keeps_every_logprob(impl):
     first = [{11: Logprob(-0.5, 1)}]
     second = [{12: Logprob(-0.25, 1)}, {13: Logprob(-1.0, 2)}]
     inputs = "logprobs: pending has one token's, new has two (cumulative -0.5, then -1.75)"
-    merged = impl.merge_delta(delta((0, "x", [11], None, first, -0.5)), delta((0, "yz", [12, 13], None, second, -1.75), cached=2))
+    new = delta((0, "yz", [12, 13], None, second, -1.75), cached=2)
+    merged = impl.merge_delta(delta((0, "x", [11], None, first, -0.5)), new)
     sample = merged.outputs[0]
     expect_equal([list(entry) for entry in sample.logprobs], [[11], [12], [13]], inputs=f"{inputs}; logprobs per token")
     expect_equal(sample.cumulative_logprob, -1.75, inputs=f"{inputs}; cumulative_logprob (the newer output's)")
@@ -308,7 +315,8 @@ def test_collector_get_waits_for_a_put(impl):
 
     early, late = run(scenario())
     expect_equal(early, "waiting", inputs=f"{inputs}; get() with nothing put")
-    expect_equal(completions(late) if late != "waiting" else late, [(0, " Once", [11], None)], inputs=f"{inputs}; get() after the put")
+    expect_equal(completions(late) if late != "waiting" else late, [(0, " Once", [11], None)],
+                 inputs=f"{inputs}; get() after the put")
 
 
 @pytest.mark.exercise("RequestOutputCollector")
@@ -460,8 +468,8 @@ Timeline = serving_benchmark.RequestTimeline
 
 def hand_made_timelines() -> list:
     """Two streamed requests and a failed one (seconds):
-    A: sent 0.0, chunks at 0.5, 0.6, 0.8, ends 0.8, 3 tokens  → TTFT 0.5, TPOT (0.8-0.5)/2 = 0.15, ITLs 0.1, 0.2, e2e 0.8
-    B: sent 1.0, chunks at 1.2, 2.0,      ends 2.0, 2 tokens  → TTFT 0.2, TPOT (1.0-0.2)/1 = 0.8,  ITL 0.8,       e2e 1.0
+    A: sent 0.0, chunks at 0.5, 0.6, 0.8, ends 0.8, 3 tokens → TTFT 0.5, TPOT (0.8-0.5)/2 = 0.15, ITLs 0.1, 0.2, e2e 0.8
+    B: sent 1.0, chunks at 1.2, 2.0,      ends 2.0, 2 tokens → TTFT 0.2, TPOT (1.0-0.2)/1 = 0.8,  ITL 0.8,      e2e 1.0
     C: sent 1.5, failed at 1.6."""
     return [
         Timeline(sent=0.0, chunk_times=[0.5, 0.6, 0.8], end=0.8, output_tokens=3),
@@ -551,8 +559,9 @@ async def capstone_clients(base_url: str) -> dict:
         return (await client.completions.create(prompt=CAPSTONE_PROMPTS[i], **greedy)).choices[0].text
 
     async def leaves_mid_stream() -> None:
-        stream = await client.completions.create(prompt=CAPSTONE_PROMPTS[LONG_PROMPT], stream=True, model="smollm2-135m",
-                                                 max_tokens=LONG_TOKENS, extra_body={"ignore_eos": True})
+        stream = await client.completions.create(prompt=CAPSTONE_PROMPTS[LONG_PROMPT], stream=True,
+                                                 model="smollm2-135m", max_tokens=LONG_TOKENS,
+                                                 extra_body={"ignore_eos": True})
         seen = 0
         async for _ in stream:
             seen += 1
@@ -612,4 +621,5 @@ def test_capstone_a_live_server_on_your_pieces_serves_hugging_faces_tokens(impl)
     tpot = sorted((t.end - t.chunk_times[0]) / (t.output_tokens - 1) for t in timelines)
     expect_equal((metrics["completed"], round(metrics["ttft_s"]["p50"], 9), round(metrics["tpot_s"]["p50"], 9)),
                  (len(timelines), round((ttft[2] + ttft[3]) / 2, 9), round((tpot[2] + tpot[3]) / 2, 9)),
-                 inputs=f"{inputs}; your serving_metrics on the six streamed timelines: (completed, TTFT p50, TPOT p50)")
+                 inputs=f"{inputs}; your serving_metrics on the six streamed timelines: (completed, TTFT p50, "
+                 "TPOT p50)")

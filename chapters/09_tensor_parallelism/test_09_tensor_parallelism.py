@@ -75,7 +75,8 @@ def test_partition_splits_evenly_when_the_groups_divide(impl):
         (config(32, 8, intermediate=14336, vocab=128256, head_dim=128, hidden=4096), 4,  # Llama-3-8B over 4
          [((0, 8), (0, 2), (0, 3584), (0, 32064)), ((8, 16), (2, 4), (3584, 7168), (32064, 64128)),
           ((16, 24), (4, 6), (7168, 10752), (64128, 96192)), ((24, 32), (6, 8), (10752, 14336), (96192, 128256))]),
-        (config(4, 4, intermediate=100, vocab=7), 2, [((0, 2), (0, 2), (0, 50), (0, 3)), ((2, 4), (2, 4), (50, 100), (3, 7))]),
+        (config(4, 4, intermediate=100, vocab=7), 2,
+         [((0, 2), (0, 2), (0, 50), (0, 3)), ((2, 4), (2, 4), (50, 100), (3, 7))]),
         (config(6, 3), 1, [((0, 6), (0, 3), (0, 128), (0, 256))]),
     ]
     for cfg, tp_size, want in cases:
@@ -106,8 +107,8 @@ def broken_rules(parts: list[tuple], cfg: ModelConfig, tp_size: int) -> list[str
     for field, total in ((0, cfg.num_attention_heads), (2, cfg.intermediate_size), (3, cfg.vocab_size)):
         ranges = [p[field] for p in parts]
         if [a for a, _ in ranges] + [total] != [0] + [b for _, b in ranges]:
-            wrong.append(f"the {('q_heads', '', 'intermediate', 'vocab')[field]} ranges {ranges} do not cover 0..{total} "
-                         "in order, each once")
+            kind = ("q_heads", "", "intermediate", "vocab")[field]
+            wrong.append(f"the {kind} ranges {ranges} do not cover 0..{total} in order, each once")
     for rank, (q, kv, _, _) in enumerate(parts):
         if not (q[0] < q[1] and kv[0] < kv[1]):
             wrong.append(f"rank {rank} holds no query or no K/V head: {q}, {kv}")
@@ -143,7 +144,8 @@ def test_partition_refuses_a_split_that_parts_heads(impl):
 def full_state(cfg: ModelConfig, *, bias: bool = False, seed: int = 0) -> dict[str, torch.Tensor]:
     """One decoder layer's parameters, plus the embedding, final norm and LM head, named as in the model."""
     g = torch.Generator().manual_seed(seed)
-    d, hq, hkv, hd, ffn = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
+    d, hq, hkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    hd, ffn = cfg.head_dim, cfg.intermediate_size
     shapes = {
         "model.embed_tokens.weight": (cfg.vocab_size, d),
         "model.layers.0.input_layernorm.weight": (d,),
@@ -272,7 +274,8 @@ def expect_row_parallel(impl, in_features: int, out_features: int, bias: bool, r
     inputs = (f"RowParallelLinear on {world} ranks: a whole Linear({in_features}, {out_features}, bias={bias}) split "
               f"by input columns {layers.split_evenly(in_features, world)}, each rank given its columns of x "
               f"({rows}, {in_features}) and the whole bias")
-    results = run_on_ranks(row_parallel_case, world, impl.RowParallelLinear, in_features, out_features, bias, rows, world)
+    results = run_on_ranks(row_parallel_case, world, impl.RowParallelLinear, in_features, out_features, bias, rows,
+                           world)
     for rank, (got, want) in enumerate(results):
         expect_close(got, want, inputs=f"{inputs}; rank {rank}'s output against the whole layer's (every rank gets "
                      "the full sum)", atol=1e-4)
@@ -309,7 +312,8 @@ def embedding_case(rank: int, cls: type, vocab: int, dim: int, ids: list[int], w
 def expect_embedding(impl, vocab: int, dim: int, ids: list[int], world: int, why: str) -> None:
     inputs = (f"VocabParallelEmbedding on {world} ranks: a ({vocab}, {dim}) table split by rows "
               f"{layers.split_evenly(vocab, world)}; token ids {ids} ({why})")
-    for rank, (got, want) in enumerate(run_on_ranks(embedding_case, world, impl.VocabParallelEmbedding, vocab, dim, ids, world)):
+    results = run_on_ranks(embedding_case, world, impl.VocabParallelEmbedding, vocab, dim, ids, world)
+    for rank, (got, want) in enumerate(results):
         expect_close(got, want, inputs=f"{inputs}; rank {rank}'s output against the whole table's rows", atol=1e-6)
 
 

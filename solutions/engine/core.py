@@ -111,6 +111,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.model_executor.shutdown()
+        self.structured_output_manager.shutdown()
 
 
 def engine_step(core: EngineCore) -> EngineCoreOutputs:

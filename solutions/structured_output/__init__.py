@@ -103,6 +103,12 @@ class StructuredOutputManager:
         bitmask = allocate_token_bitmask(len(grammars), self.vocab_size)
         return self._executor.submit(_fill, grammars, bitmask)
 
+    def shutdown(self) -> None:
+        """Stop the mask-filling thread, if one was started (the engine core's shutdown calls this)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
 
 def _fill(grammars: list[StructuredOutputGrammar | None], bitmask: torch.Tensor) -> torch.Tensor:
     for row, grammar in enumerate(grammars):

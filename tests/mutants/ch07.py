@@ -22,9 +22,9 @@ T = TypeVar("T")
 # --- run_busy_loop -------------------------------------------------------------------------------------------------
 
 
-def _loop(core: EngineCoreProc, input_queue: MessageQueue, output_queue: MessageQueue, parent_alive: Callable[[], bool],
-          *, drain_one: bool = False, report_idle: bool = True, block: bool = True, stop_when_busy: bool = True,
-          watch_parent: bool = True) -> None:
+def _loop(core: EngineCoreProc, input_queue: MessageQueue, output_queue: MessageQueue,
+          parent_alive: Callable[[], bool], *, drain_one: bool = False, report_idle: bool = True, block: bool = True,
+          stop_when_busy: bool = True, watch_parent: bool = True) -> None:
     """The reference loop, with switches for what the mutants below get wrong."""
     while True:
         while not core.has_unfinished_requests():
@@ -261,7 +261,9 @@ MUTANTS = {
     "run_busy_loop_one_message_per_step": {"run_busy_loop": run_busy_loop_one_message_per_step},
     "run_busy_loop_never_reports_idle": {"run_busy_loop": run_busy_loop_never_reports_idle},
     "run_busy_loop_polls_while_idle": {"run_busy_loop": run_busy_loop_polls_while_idle},
-    "run_busy_loop_finishes_the_batch_before_stopping": {"run_busy_loop": run_busy_loop_finishes_the_batch_before_stopping},
+    "run_busy_loop_finishes_the_batch_before_stopping": {
+        "run_busy_loop": run_busy_loop_finishes_the_batch_before_stopping,
+    },
     "run_busy_loop_outlives_its_front_end": {"run_busy_loop": run_busy_loop_outlives_its_front_end},
     "merge_delta_keeps_the_newest": {"merge_delta": merge_delta_keeps_the_newest},
     "merge_delta_by_position": {"merge_delta": merge_delta_by_position},

@@ -102,7 +102,8 @@ def shard_weight_without_head_dim(name: str, tensor: torch.Tensor, part: Partiti
     return reference_shard_weight(name, tensor, part, head_dim)
 
 
-def shard_weight_splits_row_parallel_bias(name: str, tensor: torch.Tensor, part: Partition, head_dim: int) -> torch.Tensor:
+def shard_weight_splits_row_parallel_bias(name: str, tensor: torch.Tensor, part: Partition,
+                                          head_dim: int) -> torch.Tensor:
     """Cuts o_proj's and down_proj's bias like their weights' columns: but a row-parallel layer's bias belongs to
     its (whole) output, and is added once after the all-reduce."""
     if name.endswith("o_proj.bias"):
@@ -203,7 +204,9 @@ MUTANTS = {
     "row_parallel_linear_without_all_reduce": {"RowParallelLinear": RowParallelLinearWithoutAllReduce},
     "row_parallel_linear_averages": {"RowParallelLinear": RowParallelLinearAverages},
     "row_parallel_linear_reduces_to_rank_zero": {"RowParallelLinear": RowParallelLinearReducesToRankZero},
-    "vocab_parallel_embedding_clamps_without_masking": {"VocabParallelEmbedding": VocabParallelEmbeddingClampsWithoutMasking},
+    "vocab_parallel_embedding_clamps_without_masking": {
+        "VocabParallelEmbedding": VocabParallelEmbeddingClampsWithoutMasking,
+    },
     "vocab_parallel_embedding_without_offset": {"VocabParallelEmbedding": VocabParallelEmbeddingWithoutOffset},
     "vocab_parallel_embedding_without_all_reduce": {"VocabParallelEmbedding": VocabParallelEmbeddingWithoutAllReduce},
     "vocab_parallel_embedding_end_inclusive": {"VocabParallelEmbedding": VocabParallelEmbeddingEndInclusive},
