@@ -18,6 +18,11 @@ from solutions.model.loader import load_model
 from solutions.worker.model_runner import ModelRunner
 
 
+def eager_on_gpu(device: torch.device) -> dict[str, bool]:
+    """A rank's runner options: on GPUs (NCCL, one GPU per rank) steps run eagerly, no CUDA graphs across ranks."""
+    return {"enforce_eager": True} if device.type == "cuda" else {}
+
+
 class Executor:
     """Runs the model for the engine core. `model_runner` is this process's runner (rank 0's, under tensor
     parallelism): it holds this rank's model slice and KV cache, and samples."""

@@ -20,7 +20,7 @@ from solutions.config import VllmConfig
 from solutions.distributed.layers import shard_model
 from solutions.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 from solutions.exceptions import ParameterError
-from solutions.executor.abstract import Executor
+from solutions.executor.abstract import Executor, eager_on_gpu
 from solutions.worker.model_runner import ModelRunner
 
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -47,9 +47,8 @@ class ExecutorWithExternalLauncher(Executor):
             )
         device = vllm_config.device_config.device  # on GPUs: this rank's own (the config chose it)
         init_tensor_parallel(rank, world_size, "env://", device=device.type)
-        eager = {"enforce_eager": True} if device.type == "cuda" else {}  # NCCL: no CUDA graphs across ranks
         model = shard_model(self.load_model(), rank, world_size)
-        self.model_runner = ModelRunner.from_config(model, vllm_config, **eager)
+        self.model_runner = ModelRunner.from_config(model, vllm_config, **eager_on_gpu(device))
 
     def shutdown(self) -> None:
         destroy_tensor_parallel()

@@ -41,7 +41,7 @@ from solutions.distributed.parallel_state import (
     free_port,
     init_tensor_parallel,
 )
-from solutions.executor.abstract import Executor
+from solutions.executor.abstract import Executor, eager_on_gpu
 from solutions.model.llama import LlamaForCausalLM
 from solutions.model.loader import load_model
 from solutions.worker.model_runner import ModelRunner
@@ -66,16 +66,11 @@ def run_worker(
     try:
         if full_model is None:
             full_model = load_model(vllm_config.model_config.model, device=device, dtype=vllm_config.model_config.dtype)
-        runner = ModelRunner.from_config(shard_model(full_model, rank, tp_size), vllm_config, **_eager_on_gpu(device))
+        runner = ModelRunner.from_config(shard_model(full_model, rank, tp_size), vllm_config, **eager_on_gpu(device))
         while (scheduler_output := broadcast_object()) is not None:
             runner.execute_model(scheduler_output)
     finally:
         destroy_tensor_parallel()
-
-
-def _eager_on_gpu(device: torch.device) -> dict[str, bool]:
-    """NCCL, one GPU per rank: steps run eagerly (no CUDA graphs across ranks)."""
-    return {"enforce_eager": True} if device.type == "cuda" else {}
 
 
 class MultiprocExecutor(Executor):
@@ -109,7 +104,7 @@ class MultiprocExecutor(Executor):
         try:
             init_tensor_parallel(0, tp_size, init_method, device=device.type)  # returns once every worker has joined
             self.model_runner = ModelRunner.from_config(
-                shard_model(full_model, 0, tp_size), vllm_config, **_eager_on_gpu(device)
+                shard_model(full_model, 0, tp_size), vllm_config, **eager_on_gpu(device)
             )
         except BaseException:
             self._finalizer()  # no worker, group or thread setting outlives a failed start
