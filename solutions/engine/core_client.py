@@ -7,27 +7,25 @@ core's thread runs the Python parts of a step (scheduling, building the batch's 
 detokenising), the event loop cannot run, and while the event loop parses JSON and writes SSE chunks, the step
 waits. The matrix multiplications release the lock, so the overlap is real but partial. A process has its own
 interpreter: nothing is shared but the two queues, at the cost of pickling every message across a pipe.
-Measured with the tests' tiny model (a step there is almost all Python) and 16 streaming callers on one event
-loop: a step took about 1.3 ms with the core in its own process and 3 to 8 ms in a thread, while a message
-took 0.2 to 8 ms to cross the process boundary (0.05 to 3 ms between threads). With SmolLM2 (fp32, 32 streaming
-callers, prompts of ~64 tokens and 64 output tokens each; `python -m benchmarks.engine_core` on a 2-core AMD EPYC
-with AVX-512, 2026-11-23, run alone): a step took 181 ms (median) with the core in a process, 242 ms in a thread
-and 225 ms in the offline loop with no front end at all; output tokens/s were 1.10× the offline loop's in a
-process and 0.92× in a thread — the process serves 1.19× the thread's tokens/s. (That the process beats the
-offline loop by 10% we do not fully explain; it held with one torch thread too, 1.06×.)
+With SmolLM2 (fp32, 32 streaming callers, prompts of ~64 tokens and 64 output tokens each; `python -m
+benchmarks.engine_core` on a 2-core AMD EPYC with AVX-512, 2026-11-23, run alone): a step took 181 ms (median) with
+the core in a process, 242 ms in a thread and 225 ms in the offline loop with no front end at all; output tokens/s
+were 1.10× the offline loop's in a process and 0.92× in a thread — the process serves 1.19× the thread's tokens/s.
+(That the process beats the offline loop by 10% we do not fully explain; it held with one torch thread too, 1.06×.)
 
 Threads inside the core: the child keeps torch's default, one intra-op thread per core, since its forward pass
 is the work that needs the cores; the front end does no tensor work. (Measured as above: with one torch thread
 instead of two, every path lost 15–25% of its tokens/s.) On a machine busier than its core count,
-torch's OpenMP threads wait on each other (a step of the tiny model went from about 1.3 ms to 5 to 500 ms with
-two threads on two oversubscribed cores); `OMP_NUM_THREADS=1` in the environment then restores it.
+torch's OpenMP threads wait on each other and a step can take many times longer; `OMP_NUM_THREADS=1` in the
+environment then restores it.
 
 The child process is started with "spawn" (a fresh interpreter, not a fork of this one: forking a process that
 has started threads — tokenizers, OpenMP, the event loop — can deadlock the child). So the child imports
 everything again and builds its own `EngineCoreProc` from the same `VllmConfig`; its entry point must be a
 top-level function (`run_engine_core`). It ignores Ctrl-C, which the terminal sends to the whole process group:
 stopping the core is the front end's decision (`shutdown`), and an orphaned core notices its parent is gone and
-exits.
+exits. vLLM differs here: its default start method is fork (`VLLM_WORKER_MULTIPROC_METHOD` in `vllm/envs.py`),
+switched to spawn when CUDA is already initialised; forking starts faster, spawning is safe whatever threads exist.
 
 A child can also die without a word (killed, out of memory, a segfault in a kernel). `MPClient.get_output`
 therefore waits in short slices and checks `process.is_alive()` between them, and reports a silent death as
