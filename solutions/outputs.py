@@ -42,3 +42,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache instead of computed
+    # with `prompt_logprobs`: per prompt token, the top tokens and the actual one, None for the first (nothing
+    # predicts it). A DELTA request gets them all in its first output, [] in the later ones (as vLLM).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

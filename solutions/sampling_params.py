@@ -4,6 +4,7 @@ Where this lives in vLLM: `vllm/sampling_params.py` (`SamplingParams`, `Structur
 """
 
 import json
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -108,9 +109,22 @@ class SamplingParams:
     ignore_eos: bool = False  # keep going past the model's end-of-sequence token
     seed: int | None = None  # per-request random seed: the same seed gives the same samples
     logprobs: int | None = None  # also return this many most likely tokens' log-probabilities per step
+    # the log-probability of each prompt token after the first, and of this many most likely tokens there
+    prompt_logprobs: int | None = None
+    # penalties on tokens already seen (vLLM's, applied to the logits before temperature, greedy rows included):
+    repetition_penalty: float = 1.0  # prompt and output tokens: a positive logit divided by it, a negative multiplied
+    presence_penalty: float = 0.0  # output tokens: subtracted once from a token that occurred at all
+    frequency_penalty: float = 0.0  # output tokens: subtracted once per occurrence
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None  # only these tokens can be sampled
+    # words that may not be generated: the last token of a word's tokens is banned wherever the output ends with
+    # the ones before it (set from the tokenizer by the front end: `update_from_tokenizer`)
+    bad_words: list[str] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
     # constrain the output to a schema, regex, choice, grammar
     structured_outputs: StructuredOutputsParams | None = None
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)  # each bad word's tokens
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -138,6 +152,37 @@ class SamplingParams:
             "logprobs", "None or an int >= 0", self.logprobs,
         )
         _require(
+            self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+            "prompt_logprobs", "None or an int >= 0", self.prompt_logprobs,
+        )
+        _require(
+            _is_number(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf,
+            "repetition_penalty", "a finite number > 0 (1 disables it)", self.repetition_penalty,
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(_is_number(value) and -2 <= value <= 2, name, "in [-2, 2] (0 disables it)", value)
+        _require(
+            _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens", f"an int in [0, max_tokens={self.max_tokens}]", self.min_tokens,
+        )
+        _require(
+            self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+                _is_int(t) and t >= 0 and _is_number(b) and math.isfinite(b) for t, b in self.logit_bias.items()
+            )),
+            "logit_bias", "None or a dict of token id (an int >= 0) -> a finite number", self.logit_bias,
+        )
+        _require(
+            self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
+                                               and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)),
+            "allowed_token_ids", "None or a non-empty list of token ids (ints >= 0)", self.allowed_token_ids,
+        )
+        _require(
+            self.bad_words is None or (isinstance(self.bad_words, list) and all(
+                isinstance(w, str) and w.strip() for w in self.bad_words
+            )), "bad_words", "None or a list of non-blank strings", self.bad_words,
+        )
+        _require(
             isinstance(self.output_kind, RequestOutputKind), "output_kind", "a RequestOutputKind", self.output_kind
         )
         _require(
@@ -148,3 +193,51 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether a repetition, presence or frequency penalty changes the logits."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def has_logit_bias(self) -> bool:
+        """Whether `min_tokens`, `logit_bias`, `allowed_token_ids` or `bad_words` adds to the logits (`sample`'s one
+        bias)."""
+        return self.min_tokens > 0 or bool(self.logit_bias) or self.allowed_token_ids is not None or bool(
+            self.bad_words
+        )
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """A request that wants its prompt's logprobs computes its whole prompt: a prefix-cache hit would skip the
+        forward pass over the cached tokens, and with it their logits (vLLM's `skip_reading_prefix_cache`). Its
+        blocks are still cached for the requests after it."""
+        return self.prompt_logprobs is not None
+
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """Tokenise `bad_words` (the front end's processor calls it; a ParameterError without a tokenizer). Each
+        word is banned as written and, as a word inside the text, after a space (vLLM's rule: the spaced form only
+        when it is as many tokens and starts with a different one)."""
+        if not self.bad_words:
+            return
+        _require(
+            tokenizer is not None, "bad_words", "None or [] with a model folder that has no tokenizer", self.bad_words
+        )
+        self._bad_words_token_ids = []
+        for word in self.bad_words:
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            self._bad_words_token_ids.append(plain)
+            if len(spaced) == len(plain) and spaced[0] != plain[0]:
+                self._bad_words_token_ids.append(spaced)
+
+    def verify_token_ids(self, vocab_size: int) -> None:
+        """ParameterError unless every token id `logit_bias`, `allowed_token_ids` and `bad_words` name lies in
+        [0, vocab_size): the sampler indexes the logits with them. (The front end's processor calls it: only it
+        knows the model.)"""
+        for name, token_ids in (
+            ("logit_bias", self.logit_bias or {}), ("allowed_token_ids", self.allowed_token_ids or []),
+            ("bad_words", [t for word in self._bad_words_token_ids for t in word]),
+        ):
+            bad = [t for t in token_ids if t >= vocab_size]
+            _require(not bad, name, f"token ids in [0, {vocab_size})", bad)

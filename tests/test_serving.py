@@ -5,6 +5,11 @@ while the server keeps serving; `/v1/models`, `/health`, `/metrics`. A request i
 end, and its grammar compiled once, in the core; the engine's refusals (`ParameterError`) come back with the
 request's field as OpenAI's `param`.
 
+vLLM's request surface: unknown fields ignored with a warning, unimplemented features refused only when they
+would change the answer, the penalties and vLLM's sampler fields equal to `LLM.generate` with the same
+`SamplingParams`, `echo` with the prompt's logprobs equal to the offline engine's `prompt_logprobs`. A huge
+prompt is refused without being tokenised, tokenising happens off the event loop, and the body is capped.
+
 One server (SmolLM2, the engine core in its own process) and one offline `LLM` serve most of the module; two
 small servers with the engine core in a thread of this process serve the checks that need to see inside it.
 """
@@ -12,7 +17,9 @@ small servers with the engine core in a thread of this process serve the checks 
 import collections
 import contextlib
 import json
+import logging
 import re
+import socket
 import threading
 import time
 import urllib.error
@@ -23,9 +30,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from grading.waits import join_or_fail
 from solutions import LLM, SamplingParams
 from solutions.engine.processor import Processor
-from solutions.entrypoints.openai.api_server import serve_in_background
+from solutions.entrypoints.openai.api_server import MAX_REQUEST_BODY_BYTES, serve_in_background
 from solutions.structured_output.backend_guidance import GuidanceBackend
 
 MODEL = "smollm2-135m"
@@ -36,6 +44,15 @@ PROMPT = "The capital of France is"
 TOKEN_IDS = [6403, 1980, 253, 655, 28]  # "Once upon a time," as SmolLM2's token ids
 CLIENT_PROMPTS = [f"Write a sentence about the number {i}." for i in range(32)]
 CONVERSATION = [{"role": "user", "content": "Name three colours."}]
+PARIS = 7042  # " Paris" in SmolLM2's vocabulary
+# vLLM's sampler fields, each sent as a request field and as the SamplingParams field of the same name
+SAMPLER_REQUESTS = {
+    "repetition_penalty": dict(repetition_penalty=1.3),
+    "presence_frequency": dict(presence_penalty=1.5, frequency_penalty=1.0),
+    "min_tokens": dict(min_tokens=MAX_TOKENS, stop_token_ids=[30]),  # "." cannot end it early
+    "allowed_token_ids": dict(allowed_token_ids=[PARIS, 30, 28, 253]),  # " Paris", ".", ",", " a"
+    "bad_words": dict(bad_words=["Paris"]),
+}
 METRIC_NAMES = (
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
     "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions",
@@ -69,11 +86,21 @@ def offline(llm) -> dict[str, list[str]]:
         "token_ids": (TOKEN_IDS, GREEDY),
         "chat": (chat_prompt, GREEDY),
         "two_samples": (PROMPT, SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=MAX_TOKENS)),
+        "no_paris": (PROMPT, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logit_bias={PARIS: -100.0})),
+        **{name: (PROMPT, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, **fields))
+           for name, fields in SAMPLER_REQUESTS.items()},
         **{f"client_{i}": (prompt, GREEDY) for i, prompt in enumerate(CLIENT_PROMPTS)},
     }
     prompts, params = zip(*requests.values(), strict=True)
     outputs = llm.generate(list(prompts), list(params), use_tqdm=False)
     return {name: [c.text for c in output.outputs] for name, output in zip(requests, outputs, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def prompt_logprobs(llm):
+    """The offline engine's `prompt_logprobs=2` for PROMPT: per prompt token (the first: None) {id: Logprob}."""
+    (output,) = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2), use_tqdm=False)
+    return output.prompt_logprobs
 
 
 def post(url: str, body: dict, timeout: float = 60) -> tuple[int, dict]:
@@ -239,13 +266,19 @@ def test_client_that_times_out_on_a_whole_response_frees_its_blocks(server):
         ({"temperature": -1}, 400, "temperature"),
         ({"top_p": 2}, 400, "top_p"),
         ({"n": 0}, 400, "n"),
-        ({"max_tokens": 0}, 400, "max_tokens"),
         ({"stop": [""]}, 400, "stop"),
         ({"prompt": "word " * MAX_MODEL_LEN}, 400, "prompt"),
         ({"prompt": [1, 2, 10**9]}, 400, "prompt"),  # a token id outside the vocabulary
         ({"prompt": ["one", "two"]}, 400, "prompt"),  # OpenAI's batch form: one prompt per request here
         ({"max_tokens": "many"}, 400, "max_tokens"),  # a field of the wrong type
-        ({"max_token": 8}, 400, "max_token"),  # a field OpenAI's API does not have
+        ({"max_tokens": 0}, 400, "max_tokens"),  # 0 only with echo
+        ({"use_beam_search": True}, 400, "use_beam_search"),  # known, not implemented, not neutral
+        ({"suffix": "!"}, 400, "suffix"),
+        ({"best_of": 3}, 400, "best_of"),
+        ({"bad_words": [" "]}, 400, "bad_words"),  # SamplingParams' own check
+        ({"repetition_penalty": 0}, 400, "repetition_penalty"),
+        ({"logit_bias": {"Paris": 1}}, 400, "logit_bias"),  # keys are token ids
+        ({"prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),  # as vLLM: echo them instead
         ({"prompt": None}, 400, "prompt"),
         ({"stream_options": {"include_usage": True}}, 400, "stream_options"),  # without stream: true
         ({"model": "gpt-4"}, 404, "model"),
@@ -321,6 +354,213 @@ def test_server_keeps_serving_after_bad_requests(client, offline, server):
         assert status in (400, 404)
     response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
     assert response.choices[0].text == offline["prompt"][0]
+
+
+# --- vLLM's request surface ---------------------------------------------------------------------------------
+
+
+def test_unknown_fields_are_ignored_with_a_warning_naming_them(client, offline, caplog):
+    """As vLLM's server: a field the server does not know changes nothing, and the log names it."""
+    with caplog.at_level(logging.WARNING, logger="solutions.entrypoints.openai.protocol"):
+        response = client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+            extra_body={"max_token": 3, "frobnicate": {"x": 1}},  # a typo, and nonsense
+        )
+    assert response.choices[0].text == offline["prompt"][0]
+    assert "present in the request but ignored: ['frobnicate', 'max_token']" in caplog.text
+
+
+def test_neutral_values_of_unimplemented_features_are_accepted(client, offline):
+    """vLLM's benchmark client always sends `repetition_penalty: 1.0`; other clients send the defaults of features
+    this engine lacks. The value that changes nothing is accepted, and the answer is the one without it."""
+    neutral = {
+        "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0,
+        "logit_bias": {}, "bad_words": [], "allowed_token_ids": None, "use_beam_search": False, "length_penalty": 1.0,
+        "include_stop_str_in_output": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+        "truncate_prompt_tokens": None, "suffix": None, "best_of": 1, "echo": False, "user": "me",
+    }
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                         extra_body=neutral)
+    assert response.choices[0].text == offline["prompt"][0]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=CONVERSATION, max_tokens=MAX_TOKENS, temperature=0, user="me",
+        metadata={"run": "1"}, extra_body={"tools": [], "tool_choice": "none", "bad_words": []},
+    )
+    assert chat.choices[0].message.content == offline["chat"][0]
+
+
+def test_unimplemented_chat_features_are_refused_naming_the_field(client):
+    tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=CONVERSATION, max_tokens=2, tools=[tool])
+    assert refused.value.body["param"] == "tools" and "tools" in refused.value.body["message"]
+
+
+@pytest.mark.parametrize("name", list(SAMPLER_REQUESTS) + ["no_paris"])
+def test_sampler_fields_reach_sampling_params_of_the_same_name(client, offline, name):
+    """Each of vLLM's sampler fields, sent as a request field, gives what `LLM.generate` gives with the
+    `SamplingParams` field of the same name (greedy, so one answer). `logit_bias` comes in OpenAI's form: token
+    ids as strings."""
+    fields = {"logit_bias": {str(PARIS): -100.0}} if name == "no_paris" else SAMPLER_REQUESTS[name]
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                         extra_body=fields)
+    assert response.choices[0].text == offline[name][0]
+    assert response.choices[0].text != offline["prompt"][0]  # each one changes the greedy answer
+
+
+def test_developer_and_tool_roles_go_to_the_chat_template(client, llm):
+    """`developer` is given to the template as `system`; a tool's result and an assistant's tool calls go as they
+    are (SmolLM2's template renders any role): the usage counts the template's tokens."""
+    system = [{"role": "system", "content": "Answer in one word."}, *CONVERSATION]
+    developer = [{"role": "developer", "content": "Answer in one word."}, *CONVERSATION]
+    answers = [
+        client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=MAX_TOKENS, temperature=0)
+        for messages in (system, developer)
+    ]
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+    assert answers[0].usage == answers[1].usage
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+    with_tool = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    response = client.chat.completions.create(model=MODEL, messages=with_tool, max_tokens=2, temperature=0)
+    rendered = llm.tokenizer.apply_chat_template(
+        [{"role": m["role"], "content": m["content"] or ""} for m in with_tool], tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert response.usage.prompt_tokens == len(llm.tokenizer.encode(rendered))
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt_and_its_logprobs(server, llm, prompt_logprobs):
+    """lm-evaluation-harness's loglikelihood request: `echo`, `logprobs`, `max_tokens` 0. As vLLM: the prompt
+    alone, its token logprobs (the first null) equal to the offline engine's `prompt_logprobs`, the one token
+    generated dropped from the text but counted in usage."""
+    status, got = post(f"{server.base_url}/v1/completions",
+                       {"model": MODEL, "prompt": PROMPT, "echo": True, "logprobs": 2, "max_tokens": 0})
+    assert status == 200
+    (choice,) = got["choices"]
+    prompt_ids = llm.tokenizer.encode(PROMPT)
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
+    assert got["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 1,
+                            "total_tokens": len(prompt_ids) + 1}
+    logprobs = choice["logprobs"]
+    assert "".join(logprobs["tokens"]) == PROMPT
+    assert logprobs["text_offset"] == [PROMPT.index(t) for t in logprobs["tokens"]]  # no token repeats here
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    for token_id, entry, logprob, top in zip(prompt_ids[1:], prompt_logprobs[1:], logprobs["token_logprobs"][1:],
+                                             logprobs["top_logprobs"][1:], strict=True):
+        assert logprob == pytest.approx(entry[token_id].logprob, abs=1e-5)
+        assert top == pytest.approx({lp.decoded_token: lp.logprob for lp in entry.values()}, abs=1e-5)
+
+
+def test_echo_streamed_and_with_generation_puts_the_prompt_first(client, offline, server):
+    """`echo` with generation: the prompt, then the completion, in the text and in the logprobs (the generated
+    tokens' logprobs after the prompt's); streamed, the prompt comes in each sample's first chunk."""
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, echo=True,
+                                      logprobs=1)
+    (choice,) = whole.choices
+    assert choice.text == PROMPT + offline["prompt"][0]
+    assert "".join(choice.logprobs.tokens) == choice.text
+    assert choice.logprobs.token_logprobs[0] is None and None not in choice.logprobs.token_logprobs[1:]
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                            echo=True, logprobs=1, stream=True))
+    assert chunks[0].choices[0].text.startswith(PROMPT)
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    streamed = [t for c in chunks for t in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(choice.logprobs.token_logprobs[1:], abs=1e-5)
+    assert sum((c.choices[0].logprobs.text_offset for c in chunks), []) == choice.logprobs.text_offset
+
+
+def test_prompt_logprobs_field_returns_vllms_shape(server, llm, prompt_logprobs):
+    status, got = post(f"{server.base_url}/v1/completions",
+                       {"model": MODEL, "prompt": PROMPT, "prompt_logprobs": 2, "max_tokens": 1, "temperature": 0})
+    assert status == 200
+    returned = got["choices"][0]["prompt_logprobs"]
+    assert returned[0] is None and len(returned) == len(llm.tokenizer.encode(PROMPT))
+    for entry, expected in zip(returned[1:], prompt_logprobs[1:], strict=True):
+        assert set(entry) == {str(token_id) for token_id in expected}
+        for token_id, lp in expected.items():
+            assert entry[str(token_id)]["rank"] == lp.rank
+            assert entry[str(token_id)]["logprob"] == pytest.approx(lp.logprob, abs=1e-5)
+    assert got["choices"][0]["logprobs"] is None  # no echo, no logprobs asked for
+
+
+def test_continuous_usage_stats_count_tokens_in_every_chunk(client):
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=CONVERSATION, max_completion_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True},
+    ))
+    counted = [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].delta.content]
+    assert counted == sorted(counted) and counted[-1] == MAX_TOKENS
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
+
+
+# --- one request never holds up the others ---------------------------------------------------------------------
+
+HUGE_PROMPT = "word " * 2_000_000  # 10 MB: at least 123,457 tokens, whatever they are
+
+
+def test_a_huge_prompt_is_refused_without_tokenising_and_tokenising_runs_off_the_event_loop(server, monkeypatch):
+    """A 10 MB prompt beside two small streams. The refusal comes from the bound (`Processor.tokenize`: no token
+    is longer than 81 characters), so the tokenizer never sees the 10 MB; the small prompts are tokenised in a
+    worker thread, not on the server's event loop ("api-server"), so a long tokenisation could not stall the
+    others either. Checked by recording the tokenizer's calls (the API server runs in this process); the times
+    are only bounded generously: reading and parsing 10 MB takes a fraction of a second, tokenising it ~5 s."""
+    tokenizer_class = type(server.engine.tokenizer)
+    calls: list[tuple[str, int]] = []
+    encode = tokenizer_class.encode
+
+    def recorded(self, text, *args, **kwargs):
+        calls.append((threading.current_thread().name, len(text)))
+        return encode(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer_class, "encode", recorded)
+    small: list[str] = []
+
+    def stream_small(i: int) -> None:
+        body = {"model": MODEL, "prompt": f"Small request {i}:", "max_tokens": 16, "stream": True, "ignore_eos": True}
+        request = urllib.request.Request(f"{server.base_url}/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            small.append(response.read().decode())
+
+    threads = [threading.Thread(target=stream_small, args=(i,), daemon=True) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    start = time.monotonic()
+    status, got = post(f"{server.base_url}/v1/completions", {"model": MODEL, "prompt": HUGE_PROMPT, "max_tokens": 2})
+    refused_after = time.monotonic() - start
+    for thread in threads:
+        join_or_fail(thread, 60, what="a small streamed request beside the huge one", likely="the server stalled")
+    assert status == 400 and got["error"]["param"] == "prompt"
+    assert got["error"]["message"].startswith("prompt has at least 123457 tokens"), got["error"]["message"]
+    assert all(text.rstrip().endswith("data: [DONE]") for text in small) and len(small) == 2
+    assert [length for _, length in calls if length >= len(HUGE_PROMPT)] == [], "the huge prompt was tokenised"
+    assert len(calls) >= 2 and "api-server" not in {thread for thread, _ in calls}
+    assert refused_after < 2, f"a prompt that cannot fit took {refused_after:.1f} s to refuse"
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(server):
+    """A client that announces a body over MAX_REQUEST_BODY_BYTES gets a 413 in OpenAI's shape at once, without
+    sending it (here: the headers and 1 KB, then the client waits for the answer)."""
+    host, port = server.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {MAX_REQUEST_BODY_BYTES + 1}\r\n\r\n".encode() + b'{"prompt": "' + b"x" * 1024
+        )
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            received = sock.recv(65536)
+            if not received:
+                break
+            answer += received
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413")
+    error = json.loads(body)["error"]
+    assert error["code"] == 413 and str(MAX_REQUEST_BODY_BYTES) in error["message"]
 
 
 # --- checked once in the front end, compiled once in the core (the engine core in a thread of this process) ------

@@ -251,11 +251,11 @@ def test_the_guidance_mask_allows_exactly_what_the_schema_allows_next():
 
 
 def test_the_choice_matcher_follows_text_not_one_tokenisation():
-    tokens = TokenTexts(["", "P", "Par", "is", "Paris", "L", "ondon", "x"], {}, eos_token_id=0)
+    tokens = TokenTexts([b"", b"P", b"Par", b"is", b"Paris", b"L", b"ondon", b"x"], {}, eos_token_id=0)
     tokens.ids_by_text.update({t: [i] for i, t in enumerate(tokens.texts) if t})
     grammar = ChoiceGrammar(["Paris", "Par", "London"], tokens)
     assert grammar.allowed_token_ids() == [1, 2, 4, 5]
     assert grammar.accept_tokens([2]) and not grammar.is_terminated()  # "Par" is a choice, "Paris" extends it
     assert grammar.allowed_token_ids() == [0, 3]  # "is", or the end of the sequence
-    assert grammar.accept_tokens([3]) and grammar.is_terminated() and grammar.text == "Paris"
+    assert grammar.accept_tokens([3]) and grammar.is_terminated() and grammar.text == b"Paris"
     assert not ChoiceGrammar(["Paris"], tokens).accept_tokens([7])

@@ -23,7 +23,7 @@ from grading.parity import assert_greedy_close, hf_greedy, hf_oracle
 from grading.tiny_models import tiny_checkpoint
 from solutions import LLM, SamplingParams
 from solutions.distributed import layers
-from solutions.distributed.layers import RowParallelLinear, partition, split_evenly
+from solutions.distributed.layers import RowParallelLinear, allowed_tensor_parallel_sizes, partition, split_evenly
 from solutions.distributed.parallel_state import free_port
 from solutions.exceptions import ParameterError
 from solutions.model.loader import load_model, resolve_model
@@ -100,8 +100,13 @@ def test_heads_are_dealt_by_kv_group_and_replicated_below_one_kv_head_per_rank()
     assert (a.intermediate, b.intermediate, a.vocab, b.vocab) == ((0, 768), (768, 1536), (0, 24576), (24576, 49152))
     mqa = load_model(str(tiny_checkpoint("qwen2-bias-mqa"))).config  # 4 query heads, 1 K/V head
     assert [(p.q_heads, p.kv_heads) for p in partition(mqa, 2)] == [((0, 2), (0, 1)), ((2, 4), (0, 1))]
-    with pytest.raises(ValueError, match="tensor_parallel_size=3"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 .* allowed values: \[1, 2, 4\]"):
         partition(mqa, 3)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 .* allowed values: \[1, 2, 3, 9\]"):
+        partition(smollm2, 4)  # 3 K/V heads: 1..3 ranks, or each K/V head on 3 ranks (9)
+    assert allowed_tensor_parallel_sizes(smollm2) == [1, 2, 3, 9]
+    for tp in allowed_tensor_parallel_sizes(smollm2):
+        assert len(partition(smollm2, tp)) == tp
     assert split_evenly(10, 3) == [(0, 3), (3, 6), (6, 10)]
 
 

@@ -5,15 +5,17 @@ budgets, chunks and admissions counted by hand for the scheduler; the victims, t
 back and the pool's free count, worked out by hand, for preemption; positions, slots and offsets written out by
 hand for the flattened batch; the sampling rows of hand-made steps, and Hugging Face `generate`, for which rows
 sample; Hugging Face `generate` and a grammar's choices for the engine core's step; a per-row sort in float64 for
-the top-p and min-p filters.
+the top-p and min-p filters; Hugging Face's `RepetitionPenaltyLogitsProcessor` and `generate(repetition_penalty=)`,
+and OpenAI's formula written out per token, for the penalties.
 """
 
 import functools
 
 import pytest
 import torch
+from transformers import RepetitionPenaltyLogitsProcessor
 
-from grading import exercising, expect_equal
+from grading import exercising, expect_close, expect_equal
 from grading.capstone import CAPSTONE_PROMPTS, smollm2_greedy, swap_in
 from grading.tiny_models import hf_model, tiny_checkpoint
 from solutions import LLM, SamplingParams, StructuredOutputsParams
@@ -28,6 +30,7 @@ from solutions.engine.arg_utils import EngineArgs
 from solutions.engine.llm_engine import LLMEngine
 from solutions.metrics.stats import SchedulerStats
 from solutions.sample import sampler
+from solutions.sample.ops import penalties as penalties_module
 from solutions.worker import model_runner
 
 REFERENCE = {
@@ -38,6 +41,7 @@ REFERENCE = {
     "engine_step": core_module.engine_step,
     "apply_top_p": sampler.apply_top_p,
     "apply_min_p": sampler.apply_min_p,
+    "apply_penalties": penalties_module.apply_penalties,
 }
 
 pytestmark = pytest.mark.timeout(60)
@@ -270,6 +274,35 @@ def test_schedule_admits_nothing_in_a_step_that_preempts(impl):
 
 
 @pytest.mark.exercise("Scheduler")
+def test_schedule_goes_on_after_a_priority_victim_ahead_of_it(impl):
+    inputs = ("policy priority, 8 blocks of 4, 2 free, budget 10; running in this order: id 0 "
+              "(priority 0, decoding, room in its block), id 1 (priority 5, 4 of its 12 prompt tokens computed: "
+              "its chunk of 8 takes both free blocks), id 2 (priority 1, decoding, needs a new block), id 3 "
+              "(priority 0, 4 of its 8 prompt tokens computed, needs a new block); waiting: id 4 (priority 0)")
+    with exercising("Scheduler", inputs):
+        sched = make_scheduler(impl.Scheduler, num_blocks=8, budget=10, policy="priority")
+        decoding_seq(sched, 0, 5, 2)
+        victim = prompt_seq(sched, 1, 12, 4, priority=5)
+        decoding_seq(sched, 2, 6, 3).priority = 1
+        prompt_seq(sched, 3, 8, 4)
+        waiting_seq(sched, 4, 2)
+        out = sched.schedule()
+    # Hand-computed: id 0 takes 1 token (9 left), id 1 its 8 (1 left) and the 2 free blocks; id 2 finds none, so
+    # id 1 (the lowest priority, *ahead* of id 2) is taken out of the batch (its 8 tokens back: 9 left) and
+    # preempted (3 blocks freed); id 2 takes 1 token and a block, and id 3 — after the victim, now one place
+    # further left — still gets its 4 tokens and a block (4 left). Nothing is admitted in a step that preempted.
+    expect_equal(batch(out), [(0, 1), (2, 1), (3, 4)],
+                 inputs=f"{inputs}; (seq_id, tokens) scheduled — id 3 neither skipped nor left without the budget "
+                 "id 1 handed back")
+    expect_equal(out.preempted_seq_ids, [1], inputs=f"{inputs}; preempted_seq_ids")
+    expect_equal(([s.seq_id for s in sched.running], [s.seq_id for s in sched.waiting]), ([0, 2, 3], [4, 1]),
+                 inputs=f"{inputs}; (running, waiting: in priority order, the victim behind id 4)")
+    expect_equal((victim.status, victim.num_computed_tokens, victim.block_table), (SequenceStatus.PREEMPTED, 0, []),
+                 inputs=f"{inputs}; id 1's (status, num_computed_tokens, block_table)")
+    expect_equal(sched.kv_cache_manager.num_free_blocks, 1, inputs=f"{inputs}; free blocks")
+
+
+@pytest.mark.exercise("Scheduler")
 def test_schedule_starts_an_admitted_prompt_at_its_cached_tokens(impl):
     inputs = ("prefix caching on, block_size 4, budget 16; a 10-token prompt (id 0) runs and finishes; then an "
               "11-token prompt (id 1) sharing its first 8 tokens arrives")
@@ -480,23 +513,110 @@ def test_allocate_or_preempt_priority_ties_go_to_the_latest_arrival(impl):
 
 
 @pytest.mark.exercise("allocate_or_preempt")
-def test_preempted_sequences_resume_with_hugging_faces_tokens(impl, monkeypatch):
-    # the engine's scheduler now preempts with yours
-    monkeypatch.setattr(scheduler_module, "allocate_or_preempt", impl.allocate_or_preempt)
+def test_allocate_or_preempt_priority_victim_ahead_of_the_sequence(impl):
+    inputs = ("PRIORITY, 7 blocks of 4, none free; running in this order: id 0 (priority 0, decoding), id 1 "
+              "(priority 5, its prompt chunk of 4 tokens already in the batch), id 2 (priority 1, decoding), id 3 "
+              "(priority 3, decoding, not yet scheduled); room for id 2's 9th token")
+    sched = make_scheduler(scheduler_module.Scheduler, num_blocks=7, policy="priority")
+    decoding_seq(sched, 0, 6, 3)
+    chunked = prompt_seq(sched, 1, 12, 4, priority=5)
+    third = decoding_seq(sched, 2, 6, 3)
+    fourth = decoding_seq(sched, 3, 3, 1)
+    third.priority, fourth.priority = 1, 3
+    out, copies = SchedulerOutput(), {}
+    sched._add_to_batch(out, chunked, 4, sched.kv_cache_manager.allocate_slots(chunked, 4), copies)
+    got = call_allocate_or_preempt(impl, sched, third, 1, out, copies, inputs)
+    expect_equal(got, ([], 4), inputs=f"{inputs}; (copies, budget handed back: id 1's 4 tokens)")
+    expect_equal(out.preempted_seq_ids, [1],
+                 inputs=f"{inputs}; preempted_seq_ids (the lowest priority, although it sits before id 2 and id 3 "
+                 "after it)")
+    expect_equal(([s.seq_id for s in sched.running], [s.seq_id for s in sched.waiting]), ([0, 2, 3], [1]),
+                 inputs=f"{inputs}; (running, waiting)")
+    expect_equal((len(third.block_table), len(fourth.block_table), sched.kv_cache_manager.num_free_blocks), (3, 1, 1),
+                 inputs=f"{inputs}; (blocks of id 2, blocks of id 3, free blocks)")
+
+
+def cached_decoding_seq(sched, seq_id: int, prompt: list[int], outputs: list[int]) -> Sequence:
+    """A running sequence whose prompt and outputs but the newest are computed, its leading full blocks taken
+    from the prefix cache where they are there (shared, as a real admission would)."""
+    seq = Sequence(seq_id, prompt)
+    for token in outputs:
+        seq.append_token(token)
+    manager = sched.kv_cache_manager
+    blocks, num_cached = manager.get_computed_blocks(seq)
+    assert manager.allocate_slots(seq, seq.num_tokens - 1 - num_cached, blocks) is not None
+    seq.num_computed_tokens = seq.num_tokens - 1
+    sched.add_running(seq)
+    return seq
+
+
+@pytest.mark.exercise("allocate_or_preempt")
+def test_allocate_or_preempt_with_prefix_caching_leaves_the_victims_blocks_cached(impl):
+    inputs = ("FCFS, prefix caching on, 6 blocks of 4, none free; running: id 0 (9 tokens, 8 computed: blocks P0, "
+              "P1), id 1 (9 tokens, 8 computed, its own 2 blocks), id 2 (13 tokens, 12 computed; shares P0 with id "
+              "0 — the same first 4 tokens — and owns V1, V2); room for id 0's 9th token")
+    sched = make_scheduler(scheduler_module.Scheduler, num_blocks=6, prefix_caching=True)
+    first = cached_decoding_seq(sched, 0, list(range(10, 16)), [200, 201, 202])
+    cached_decoding_seq(sched, 1, list(range(40, 46)), [200, 201, 202])
+    victim = cached_decoding_seq(sched, 2, [10, 11, 12, 13] + list(range(60, 68)), [68])
+    pool = sched.kv_cache_manager.block_pool
+    shared, own_first, own_second = (pool.blocks[b] for b in victim.block_table)
+    assert shared.block_id == first.block_table[0] and shared.ref_cnt == 2, "the test expected P0 to be shared"
+    out = SchedulerOutput()
+    got = call_allocate_or_preempt(impl, sched, first, 1, out, {}, inputs)
+    expect_equal(got, ([], 0), inputs=f"{inputs}; (copies, budget handed back)")
+    expect_equal(out.preempted_seq_ids, [2], inputs=f"{inputs}; preempted_seq_ids (the last to start running)")
+    expect_equal((victim.status, victim.num_computed_tokens, victim.block_table), (SequenceStatus.PREEMPTED, 0, []),
+                 inputs=f"{inputs}; id 2's (status, num_computed_tokens, block_table) — cached blocks or not, "
+                 "a preempted sequence holds none and has computed nothing")
+    # Freed tail first (V2, V1): id 0's new block is V2, the head of the free queue; V1 stays free *and* cached.
+    expect_equal((shared.ref_cnt, own_first.ref_cnt, own_second.ref_cnt), (1, 0, 1),
+                 inputs=f"{inputs}; ref_cnt of (P0, V1, V2): P0 still id 0's, V1 freed, V2 reused for id 0")
+    expect_equal((sched.kv_cache_manager.num_free_blocks, first.block_table[-1]), (1, own_second.block_id),
+                 inputs=f"{inputs}; (free blocks, id 0's new block)")
+    expect_equal(own_first.block_hash is not None, True,
+                 inputs=f"{inputs}; V1 still cached (its hash kept: its K/V were computed), evictable")
+    blocks, num_cached = sched.kv_cache_manager.get_computed_blocks(victim)
+    expect_equal(([b.block_id for b in blocks], num_cached), ([shared.block_id, own_first.block_id], 8),
+                 inputs=f"{inputs}; what id 2's re-admission finds in the prefix cache (P0 and V1: 8 tokens)")
+
+
+def run_preemptions(impl, monkeypatch, inputs: str, prompts: list[list[int]], priority: list[int] | None,
+                    **engine_args) -> None:
+    """Greedy requests of 16 tokens on the tiny llama-gqa, 12 blocks of 4 (preemptions), stepped by the engine
+    with your `allocate_or_preempt`; each must equal Hugging Face's, and every block be free at the end."""
+    monkeypatch.setattr(scheduler_module, "allocate_or_preempt", impl.allocate_or_preempt)  # the engine's scheduler
     folder = tiny_checkpoint("llama-gqa")
-    inputs = "tiny llama-gqa, 4 prompts of 8-14 tokens, 16 new tokens each, 12 blocks of 4 (preemptions)"
-    for policy, priority in (("fcfs", None), ("priority", [2, 0, 1, 0])):
-        llm = LLM(model=str(folder), block_size=4, num_kv_blocks=12, max_num_seqs=4, scheduling_policy=policy)
-        prompts = [list(range(30 + i, 38 + 2 * i)) for i in range(4)]
-        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-        outputs = llm.generate(prompts, params, priority=priority, use_tqdm=False)
-        where = f"{inputs}, policy {policy}"
-        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-        assert scheduler.num_preemptions > 0, f"{where}: the test expected preemptions"
-        for prompt, output in zip(prompts, outputs, strict=True):
-            expect_equal(output.outputs[0].token_ids, hf_greedy(folder, tuple(prompt), 16),
-                         inputs=f"{where}; prompt {prompt}")
-        expect_equal(scheduler.kv_cache_manager.num_used_blocks, 0, inputs=f"{where}; blocks in use at the end")
+    engine, core = engine_and_core(folder, block_size=4, num_kv_blocks=12, max_num_seqs=4, **engine_args)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params, priority=0 if priority is None else priority[i])
+    got, _ = run_core(core_module.engine_step, core, limit=300,
+                      likely="a preemption that leaves blocks held: nobody can be admitted again")
+    scheduler, manager = core.scheduler, core.scheduler.kv_cache_manager
+    assert scheduler.num_preemptions > 0, f"{inputs}: the test expected preemptions"
+    for i, prompt in enumerate(prompts):
+        expect_equal(got.get(f"r{i}"), [hf_greedy(folder, tuple(prompt), 16)], inputs=f"{inputs}; prompt {prompt}")
+    expect_equal((manager.num_used_blocks, manager.num_free_blocks), (0, 12),
+                 inputs=f"{inputs}; (blocks in use, free blocks) at the end — cached blocks are free, not leaked")
+
+
+@pytest.mark.exercise("allocate_or_preempt")
+@pytest.mark.parametrize("policy, priority", [("fcfs", None), ("priority", [2, 0, 1, 0])], ids=["fcfs", "priority"])
+def test_preempted_sequences_resume_with_hugging_faces_tokens(impl, monkeypatch, policy, priority):
+    inputs = (f"tiny llama-gqa, policy {policy} (priorities {priority}), 4 prompts of 8-14 tokens, 16 new tokens "
+              "each, 12 blocks of 4 (preemptions)")
+    prompts = [list(range(30 + i, 38 + 2 * i)) for i in range(4)]
+    run_preemptions(impl, monkeypatch, inputs, prompts, priority, scheduling_policy=policy)
+
+
+@pytest.mark.exercise("allocate_or_preempt")
+def test_preempted_sequences_sharing_a_cached_prefix_resume_with_hugging_faces_tokens(impl, monkeypatch):
+    inputs = ("tiny llama-gqa, prefix caching on, policy priority (priorities 3, 0, 1, 0: the first to start is the "
+              "first victim), 4 prompts sharing their first 8 tokens, 16 new tokens each, 12 blocks of 4")
+    prompts = [list(range(30, 38)) + list(range(50 + 5 * i, 52 + 6 * i)) for i in range(4)]
+    run_preemptions(impl, monkeypatch, inputs, prompts, [3, 0, 1, 0], scheduling_policy="priority",
+                    enable_prefix_caching=True)
 
 
 # --- prepare_inputs ----------------------------------------------------------------------------------------------
@@ -674,9 +794,10 @@ def test_sampling_rows_in_the_engine_gives_every_sample_its_tokens(impl):
 
 
 @functools.cache
-def hf_greedy(folder, prompt: tuple[int, ...], n: int) -> list[int]:
+def hf_greedy(folder, prompt: tuple[int, ...], n: int, repetition_penalty: float = 1.0) -> list[int]:
     with torch.inference_mode():
-        out = hf_oracle(folder).generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None)
+        out = hf_oracle(folder).generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                                         repetition_penalty=repetition_penalty)
     return out[0, len(prompt):].tolist()
 
 
@@ -692,9 +813,9 @@ def engine_and_core(folder, **engine_args) -> tuple[LLMEngine, core_module.Engin
     return engine, engine.engine_core.engine_core
 
 
-def run_core(step, core, limit: int = 300) -> tuple[dict[str, list[list[int]]], list[SchedulerStats]]:
+def run_core(step, core, limit: int = 300, likely: str = "") -> tuple[dict[str, list[list[int]]], list[SchedulerStats]]:
     """Call `step(core)` until the core has no unfinished request: request id -> the token ids of each of its
-    samples (by index), and each step's `SchedulerStats`."""
+    samples (by index), and each step's `SchedulerStats`. `likely`: what usually keeps requests from finishing."""
     tokens: dict[str, dict[int, list[int]]] = {}
     stats = []
     for _ in range(limit):
@@ -707,7 +828,8 @@ def run_core(step, core, limit: int = 300) -> tuple[dict[str, list[list[int]]], 
         for output in outputs.outputs:  # one per sample that got tokens (or its cached-token count) this step
             tokens.setdefault(output.request_id, {}).setdefault(output.index, []).extend(output.new_token_ids)
         stats.append(outputs.scheduler_stats)
-    raise AssertionError(f"the engine core still had unfinished requests after {limit} steps")
+    raise AssertionError(f"the engine core still had unfinished requests after {limit} steps"
+                         + (f".\n  Likely cause: {likely}" if likely else ""))
 
 
 def drive(impl, core, limit: int = 300) -> tuple[dict[str, list[list[int]]], list[SchedulerStats]]:
@@ -893,6 +1015,106 @@ def test_min_p_matches_a_sorting_oracle_per_row(impl, seed):
     expect_filtered(got, logits, kept, f"random logits (5, 12) seed {seed}, min_p {[round(x, 3) for x in min_p]}")
 
 
+# --- apply_penalties ---------------------------------------------------------------------------------------------
+
+
+def padded(rows: list[list[int]], vocab_size: int) -> torch.Tensor:
+    """Token id lists as one (B, L) int64 tensor, padded with `vocab_size` (the id no token has)."""
+    width = max(map(len, rows))
+    return torch.tensor([row + [vocab_size] * (width - len(row)) for row in rows], dtype=torch.long)
+
+
+def call_apply_penalties(impl, logits, prompts, outputs, presence, frequency, repetition, inputs) -> torch.Tensor:
+    vocab_size = logits.shape[1]
+    before = logits.clone()
+    with exercising("apply_penalties", inputs):
+        got = impl.apply_penalties(logits, padded(prompts, vocab_size), padded(outputs, vocab_size),
+                                   torch.tensor(presence), torch.tensor(frequency), torch.tensor(repetition))
+    expect_equal(torch.equal(logits, before), True, inputs=f"{inputs}; the logits passed in are left unchanged")
+    return got
+
+
+def hf_repetition(logits: torch.Tensor, prompts, outputs, repetition) -> torch.Tensor:
+    """Hugging Face's processor, one row at a time (it takes one penalty), over the row's prompt and output."""
+    rows = [RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([prompt + output]), logits[b:b + 1].clone())
+            for b, (prompt, output, penalty) in enumerate(zip(prompts, outputs, repetition, strict=True))]
+    return torch.cat(rows)
+
+
+def openai_penalties(logits: torch.Tensor, outputs, presence, frequency) -> torch.Tensor:
+    """OpenAI's formula, token by token: mu[j] - c[j] * frequency - (c[j] > 0) * presence, c[j] counted over the
+    *generated* tokens only."""
+    want = logits.clone()
+    for b, output in enumerate(outputs):
+        for token in set(output):
+            want[b, token] -= output.count(token) * frequency[b] + presence[b]
+    return want
+
+
+@pytest.mark.exercise("apply_penalties")
+def test_apply_penalties_repetition_matches_hugging_face(impl):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 40, generator=gen) * 3  # about half the logits negative
+    logits[:, 5] = torch.tensor([-2.5, 2.5, 0.0])  # token 5 is seen by every row: negative, positive, zero
+    prompts, outputs = [[5, 7, 9, 9], [5, 1], [3, 5, 20]], [[11, 7, 7], [], [5, 30, 31, 30]]
+    repetition = [1.5, 0.7, 1.3]
+    inputs = (f"logits (3, 40) with negative ones; prompts {prompts}, outputs {outputs} (padded with 40); "
+              f"repetition_penalty {repetition}, presence and frequency 0")
+    got = call_apply_penalties(impl, logits, prompts, outputs, [0.0] * 3, [0.0] * 3, repetition, inputs)
+    expect_close(got, hf_repetition(logits, prompts, outputs, repetition), atol=1e-6, rtol=1e-6,
+                 inputs=f"{inputs} (oracle: Hugging Face's RepetitionPenaltyLogitsProcessor)")
+
+
+@pytest.mark.exercise("apply_penalties")
+def test_apply_penalties_presence_and_frequency_follow_openais_formula(impl):
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 32, generator=gen) * 3
+    prompts, outputs = [[4, 4, 8, 9], [2, 3], [1]], [[9, 12, 12, 12], [2, 2, 30], []]
+    presence, frequency = [0.5, -0.4, 0.7], [0.3, 0.25, 0.9]
+    inputs = (f"logits (3, 32); prompts {prompts}, outputs {outputs} (padded with 32); presence_penalty {presence}, "
+              f"frequency_penalty {frequency}, repetition 1")
+    got = call_apply_penalties(impl, logits, prompts, outputs, presence, frequency, [1.0] * 3, inputs)
+    expect_close(got, openai_penalties(logits, outputs, presence, frequency), atol=1e-5, rtol=1e-6,
+                 inputs=f"{inputs} (oracle: OpenAI's formula over the generated tokens; prompt tokens untouched)")
+
+
+@pytest.mark.exercise("apply_penalties")
+def test_apply_penalties_all_three_on_smollm2s_vocabulary(impl):
+    vocab_size = 49152  # SmolLM2's; the padding id 49152 is one past its last token
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, vocab_size, generator=gen) * 4
+    prompts = [[1, 504, 3575, 49151, 504], [2, 2, 2], [17, 18]]
+    outputs = [[504, 282, 282, 49151], [7042, 30, 2, 30], [19]]
+    presence, frequency, repetition = [0.4, 0.0, 0.0], [0.6, 0.2, 0.0], [1.2, 1.1, 1.0]
+    inputs = (f"logits (3, {vocab_size}); prompts {prompts}, outputs {outputs} (padded with {vocab_size}); "
+              f"presence {presence}, frequency {frequency}, repetition {repetition} (row 2: all neutral)")
+    got = call_apply_penalties(impl, logits, prompts, outputs, presence, frequency, repetition, inputs)
+    want = openai_penalties(hf_repetition(logits, prompts, outputs, repetition), outputs, presence, frequency)
+    expect_close(got, want, atol=1e-5, rtol=1e-6,
+                 inputs=f"{inputs} (oracle: Hugging Face's repetition penalty, then OpenAI's formula)")
+    expect_equal(torch.equal(got[2], logits[2]), True, inputs=f"{inputs}; row 2 (neutral penalties) bit for bit")
+
+
+@pytest.mark.exercise("apply_penalties")
+def test_apply_penalties_in_the_engine_give_hugging_faces_tokens(impl):
+    folder = tiny_checkpoint("llama-gqa")
+    prompts = [list(range(30, 38)), [5, 9, 5, 9, 5, 9], list(range(70, 82))]
+    penalties = [1.8, 1.0, 0.7]
+    inputs = (f"tiny llama-gqa, greedy, 16 new tokens, one batch of prompts {prompts} with repetition_penalty "
+              f"{penalties} (the engine pads each row's prompt and output tokens)")
+    with swap_in(impl, {"apply_penalties": REFERENCE["apply_penalties"]}):
+        llm = LLM(model=str(folder), block_size=4)
+        params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=r)
+                  for r in penalties]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, penalty, output in zip(prompts, penalties, outputs, strict=True):
+        want = hf_greedy(folder, tuple(prompt), 16, penalty)
+        assert penalty == 1.0 or want != hf_greedy(folder, tuple(prompt), 16), (
+            f"{inputs}: the test expected penalty {penalty} to change the tokens of prompt {prompt}")
+        expect_equal(output.outputs[0].token_ids, want,
+                     inputs=f"{inputs}; prompt {prompt}, penalty {penalty} (oracle: Hugging Face generate)")
+
+
 # --- capstone: all of it together, on SmolLM2 ---------------------------------------------------------------------
 
 # Two waves: two less important requests (priority 2) start first; three more important ones (priority 0) arrive
@@ -906,7 +1128,8 @@ CAPSTONE_ENGINE = dict(block_size=8, num_kv_blocks=14, max_num_seqs=8, max_num_b
 CAPSTONE_WAVES = [[(0, 2), (7, 2)], [(2, 0), (4, 0), (3, 0)]]  # (index into CAPSTONE_PROMPTS, priority)
 CAPSTONE_SAMPLED = 3  # this prompt is sampled; the others are greedy
 CAPSTONE_TOKENS = 12
-SAMPLED = SamplingParams(temperature=0.8, top_p=0.8, min_p=0.1, seed=5, max_tokens=CAPSTONE_TOKENS, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.8, min_p=0.1, seed=5, max_tokens=CAPSTONE_TOKENS, ignore_eos=True,
+                         repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=CAPSTONE_TOKENS, ignore_eos=True)
 
 
@@ -943,9 +1166,9 @@ def test_capstone_a_preemption_storm_on_smollm2_gives_hugging_faces_tokens(impl)
             alone += output.outputs[0].token_ids
     inputs = (f"SmolLM2-135M, {CAPSTONE_ENGINE}; prompts {[i for wave in CAPSTONE_WAVES for i, _ in wave]} of "
               f"CAPSTONE_PROMPTS in two waves, {CAPSTONE_TOKENS} new tokens each; prompt {CAPSTONE_SAMPLED} sampled "
-              f"(temperature 0.8, top_p 0.8, min_p 0.1, seed 5)")
-    # Your Scheduler, allocate_or_preempt, prepare_inputs, sampling_rows (in the runner and the scheduler), filters
-    # and engine_step: the engine is built inside, so its core is made of them.
+              f"(temperature 0.8, top_p 0.8, min_p 0.1, seed 5, repetition 1.3, presence 0.5, frequency 0.5)")
+    # Your Scheduler, allocate_or_preempt, prepare_inputs, sampling_rows (in the runner and the scheduler), filters,
+    # penalties and engine_step: the engine is built inside, so its core is made of them.
     with swap_in(impl, REFERENCE) as mine:
         engine = capstone_engine()
         core = engine.engine_core.engine_core

@@ -1,9 +1,13 @@
 """Grading tests for chapter 07 — serving.
 
 Each test grades one exercise (`@pytest.mark.exercise`). The oracles are independent of the code under test: the
-offline `LLM.generate` of the same requests (for the engine core loop), outputs and timelines written out by hand
-(for merging, the collector and the metrics), what an ASGI server really sends (for disconnects), and Hugging
-Face's greedy tokens (for the capstone, a live server on SmolLM2).
+offline `LLM.generate` of the same requests (for the engine core loop and the front end's `generate`), outputs
+written out by hand (for the collector), what an ASGI server really sends (for disconnects), and Hugging Face's
+greedy tokens (for the capstone, a live server on SmolLM2).
+
+No test can hang: every thread a test starts is a daemon whose join is bounded (`grading.waits`), and every event
+loop runs under a deadline, so a loop that never returns, a `get` that spins or a stream that never ends fails in
+seconds, saying which wait never returned and what usually causes it.
 """
 
 import asyncio
@@ -12,13 +16,14 @@ import queue
 import threading
 import time
 import urllib.request
+from contextlib import contextmanager
 
 import pytest
 
-from grading import exercising, expect_equal
+from grading import ExerciseError, exercising, expect_equal
 from grading.capstone import CAPSTONE_PROMPTS, smollm2, smollm2_greedy, swap_in
 from grading.tiny_models import tiny_checkpoint
-from benchmarks import serving as serving_benchmark
+from grading.waits import hang_message, join_or_fail, run_bounded
 from solutions import LLM, SamplingParams
 from solutions.engine import async_llm, core
 from solutions.engine.arg_utils import EngineArgs
@@ -28,13 +33,26 @@ from solutions.outputs import CompletionOutput, FinishReason, Logprob, RequestOu
 
 REFERENCE = {
     "run_busy_loop": core.run_busy_loop,
-    "merge_delta": async_llm.merge_delta,
     "RequestOutputCollector": async_llm.RequestOutputCollector,
+    "generate": async_llm.generate,
     "until_disconnected": serving_engine.until_disconnected,
-    "serving_metrics": serving_benchmark.serving_metrics,
 }
 
 pytestmark = pytest.mark.timeout(60)
+
+
+def run(coroutine, *, what: str, likely: str, timeout: float = 10.0):
+    """`asyncio.run(coroutine)` on a daemon thread of its own (`check()` runs these tests inside a notebook, whose
+    event loop is already running in this thread), under a deadline: a coroutine still waiting after `timeout`
+    is cancelled, and one that never yields to its event loop (a spinning `get`) is stopped a little later."""
+
+    async def bounded():
+        try:
+            return await asyncio.wait_for(coroutine, timeout)
+        except TimeoutError:
+            raise ExerciseError(hang_message(what, timeout, likely)) from None
+
+    return run_bounded(lambda: asyncio.run(bounded()), timeout + 2, what=what, likely=likely)
 
 
 # --- run_busy_loop -------------------------------------------------------------------------------------------------
@@ -108,10 +126,9 @@ class LoopUnderTest:
 
     def stop(self, inputs: str, timeout: float = 5.0) -> None:
         self.input_queue.put(SHUTDOWN)
-        self.thread.join(timeout)
+        join_or_fail(self.thread, timeout, what=f"your run_busy_loop after SHUTDOWN (on input {inputs})",
+                     likely="SHUTDOWN is only noticed while idle, or the loop never reads the queue while busy")
         self.check(inputs)
-        if self.thread.is_alive():
-            raise AssertionError(f"on input {inputs}: run_busy_loop did not return within {timeout} s of SHUTDOWN")
 
 
 def step_messages(messages: list) -> list:
@@ -164,6 +181,9 @@ def test_run_busy_loop_takes_every_waiting_message_before_a_step(impl):
     new_ids = sorted(o.request_id for o in first.outputs if o.request_id.startswith("new"))
     expect_equal(new_ids, ["new0", "new1", "new2"],
                  inputs=f"{inputs}; the new requests in the first step that serves any of them (all must join it)")
+    expect_equal(any(o.request_id == "long" and o.finish_reason is None for o in first.outputs), True,
+                 inputs=f"{inputs}; the long request still runs in that step (requests that arrive while a step "
+                 "runs join the next step, not the first step after the batch has drained)")
 
 
 @pytest.mark.exercise("run_busy_loop")
@@ -196,6 +216,23 @@ def test_run_busy_loop_stops_at_shutdown_even_while_busy(impl):
 
 
 @pytest.mark.exercise("run_busy_loop")
+def test_run_busy_loop_lets_a_failing_step_raise(impl):
+    loop = LoopUnderTest(impl, [add("ok", list(range(10, 20)), 60)])
+    vocab = loop.core.vllm_config.model_config.vocab_size
+    inputs = (f"a request running, then one whose prompt holds token id {vocab + 5} (the vocabulary has {vocab}; "
+              "it slipped past validation): the step that computes it raises IndexError")
+    loop.messages_until(lambda m: len(step_messages(m)) >= 1, inputs)
+    loop.input_queue.put(add("poison", [vocab + 5], 4))
+    join_or_fail(loop.thread, 5, what=f"your run_busy_loop after a step raised (on input {inputs})",
+                 likely="the loop catches the step's exception and carries on: nobody tells the front end, whose "
+                 "callers then wait for ever (EngineCoreProc.run_busy_loop turns the exception into EngineDead)")
+    if isinstance(loop.error, ExerciseError):
+        raise loop.error  # a stub, or a failure in your code before the step
+    expect_equal(type(loop.error).__name__, "IndexError",
+                 inputs=f"{inputs}; what your run_busy_loop raised (the step's own exception must reach its caller)")
+
+
+@pytest.mark.exercise("run_busy_loop")
 def test_run_busy_loop_blocks_while_idle(impl):
     inputs = "no request for half a second"
     loop = LoopUnderTest(impl)
@@ -216,12 +253,13 @@ def test_run_busy_loop_returns_when_the_front_end_is_gone(impl):
     loop = LoopUnderTest(impl, parent_alive=lambda: not gone.is_set())
     time.sleep(0.1)
     gone.set()
-    loop.thread.join(4 * core.IDLE_POLL_SECONDS + 1)
+    join_or_fail(loop.thread, 4 * core.IDLE_POLL_SECONDS + 1, what=f"your run_busy_loop (on input {inputs})",
+                 likely="the idle wait never asks parent_alive(), so an orphaned core waits for a SHUTDOWN nobody "
+                 "will send")
     loop.check(inputs)
-    expect_equal(loop.thread.is_alive(), False, inputs=f"{inputs}; the loop still runs with no front end to serve")
 
 
-# --- merge_delta ---------------------------------------------------------------------------------------------------
+# --- RequestOutputCollector -------------------------------------------------------------------------------------------
 
 
 def delta(*samples: tuple, finished: bool = False, cached: int = 0) -> RequestOutput:
@@ -238,67 +276,17 @@ def completions(output: RequestOutput) -> list[tuple]:
     return [(c.index, c.text, c.token_ids, c.finish_reason) for c in output.outputs]
 
 
-@pytest.mark.exercise("merge_delta")
-def test_merge_delta_concatenates_one_sample(impl):
-    inputs = "pending: ' Once' [11]; new: ' upon a' [12, 13], finished with 'length'"
-    new = delta((0, " upon a", [12, 13], FinishReason.LENGTH), finished=True)
-    merged = impl.merge_delta(delta((0, " Once", [11])), new)
-    expect_equal(completions(merged), [(0, " Once upon a", [11, 12, 13], FinishReason.LENGTH)],
-                 inputs=f"{inputs}; samples")
-    expect_equal(merged.finished, True, inputs=f"{inputs}; finished (the newer output's)")
-
-
-@pytest.mark.exercise("merge_delta")
-def test_merge_delta_matches_samples_by_index(impl):
-    inputs = "n=3: pending has samples 2 and 0; new has samples 0 and 1 (a sample moves only when it has a token)"
-    pending = delta((2, "c", [3]), (0, "a", [1]))
-    merged = impl.merge_delta(pending, delta((0, "A", [10]), (1, "B", [20], FinishReason.STOP)))
-    expect_equal(completions(merged),
-                 [(0, "aA", [1, 10], None), (1, "B", [20], FinishReason.STOP), (2, "c", [3], None)],
-                 inputs=f"{inputs}; samples, by index")
-
-
-@pytest.mark.exercise("merge_delta")
-def test_merge_delta_keeps_every_logprob(impl):
-    first = [{11: Logprob(-0.5, 1)}]
-    second = [{12: Logprob(-0.25, 1)}, {13: Logprob(-1.0, 2)}]
-    inputs = "logprobs: pending has one token's, new has two (cumulative -0.5, then -1.75)"
-    new = delta((0, "yz", [12, 13], None, second, -1.75), cached=2)
-    merged = impl.merge_delta(delta((0, "x", [11], None, first, -0.5)), new)
-    sample = merged.outputs[0]
-    expect_equal([list(entry) for entry in sample.logprobs], [[11], [12], [13]], inputs=f"{inputs}; logprobs per token")
-    expect_equal(sample.cumulative_logprob, -1.75, inputs=f"{inputs}; cumulative_logprob (the newer output's)")
-    expect_equal(merged.num_cached_tokens, 2, inputs=f"{inputs}; num_cached_tokens (the newer output's)")
-
-
-# --- RequestOutputCollector ----------------------------------------------------------------------------------------
-
-
-def run(coroutine, timeout: float = 10.0):
-    """`asyncio.run` in a thread of its own: `check()` runs these tests inside a notebook, whose event loop is
-    already running in this thread."""
-    result: dict = {}
-
-    def target() -> None:
-        try:
-            result["value"] = asyncio.run(asyncio.wait_for(coroutine, timeout))
-        except BaseException as error:  # re-raised in the caller's thread
-            result["error"] = error
-
-    thread = threading.Thread(target=target)
-    thread.start()
-    thread.join()
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
-
-
 async def get_within(collector, seconds: float):
     """`collector.get()`, or the string "waiting" if it has not returned after `seconds`."""
     try:
         return await asyncio.wait_for(collector.get(), seconds)
     except asyncio.TimeoutError:
         return "waiting"
+
+
+COLLECTOR_GET = dict(what="your RequestOutputCollector.get", timeout=2.0,
+                     likely="the event is set but never cleared, so `get` goes round its loop without ever waiting "
+                     "(clear it before waiting again, or when the output is taken)")
 
 
 @pytest.mark.exercise("RequestOutputCollector")
@@ -313,7 +301,7 @@ def test_collector_get_waits_for_a_put(impl):
             late = await get_within(collector, 2.0)
         return early, late
 
-    early, late = run(scenario())
+    early, late = run(scenario(), **COLLECTOR_GET)
     expect_equal(early, "waiting", inputs=f"{inputs}; get() with nothing put")
     expect_equal(completions(late) if late != "waiting" else late, [(0, " Once", [11], None)],
                  inputs=f"{inputs}; get() after the put")
@@ -332,7 +320,7 @@ def test_collector_merges_outputs_its_reader_has_not_taken(impl):
             second = await get_within(collector, 0.1)
         return first, second
 
-    first, second = run(scenario())
+    first, second = run(scenario(), **COLLECTOR_GET)
     expect_equal(completions(first) if first != "waiting" else first, [(0, " Once upon a", [11, 12, 13], None)],
                  inputs=f"{inputs}; the first get (one merged output: nothing lost, nothing queued without bound)")
     expect_equal(second, "waiting", inputs=f"{inputs}; the second get (the output was taken)")
@@ -354,10 +342,259 @@ def test_collector_hands_out_outputs_before_an_error(impl):
                 second = f"raised {error}"
         return first, second
 
-    first, second = run(scenario())
+    first, second = run(scenario(), **COLLECTOR_GET)
     expect_equal(completions(first) if isinstance(first, RequestOutput) else first, [(0, " Once", [11], None)],
                  inputs=f"{inputs}; the first get (the output that arrived before the error)")
     expect_equal(second, "raised engine died", inputs=f"{inputs}; the second get")
+
+@pytest.mark.exercise("RequestOutputCollector")
+def test_collector_waits_again_once_its_output_was_taken(impl):
+    inputs = "put(' Once'), get, then a get with nothing pending, and put(' upon') 0.05 s later"
+
+    async def scenario():
+        with exercising("RequestOutputCollector", inputs):
+            collector = impl.RequestOutputCollector(asyncio.get_running_loop())
+            collector.put(delta((0, " Once", [11])))
+            first = await get_within(collector, 2.0)
+            asyncio.get_running_loop().call_later(0.05, collector.put, delta((0, " upon", [12])))
+            second = await get_within(collector, 2.0)
+        return [completions(o) if isinstance(o, RequestOutput) else o for o in (first, second)]
+
+    expect_equal(run(scenario(), **COLLECTOR_GET), [[(0, " Once", [11], None)], [(0, " upon", [12], None)]],
+                 inputs=f"{inputs}; the two gets (the second must wait for the put, then return it)")
+
+
+@pytest.mark.exercise("RequestOutputCollector")
+def test_collector_merges_parallel_samples_by_index_with_their_logprobs(impl):
+    inputs = ("n=2, logprobs on: put sample 1 'b' [21], then samples 0 'a' [11] and 1 'c' [22] (a step's output lists "
+              "only the samples that moved), then sample 0 'x' [12] finished, before one get")
+    lp = {11: [{11: Logprob(-0.5, 1)}], 12: [{12: Logprob(-0.25, 1)}], 21: [{21: Logprob(-1.0, 1)}],
+          22: [{22: Logprob(-2.0, 1)}]}
+
+    async def scenario():
+        with exercising("RequestOutputCollector", inputs):
+            collector = impl.RequestOutputCollector(asyncio.get_running_loop())
+            collector.put(delta((1, "b", [21], None, lp[21], -1.0)))
+            collector.put(delta((0, "a", [11], None, lp[11], -0.5), (1, "c", [22], None, lp[22], -3.0)))
+            collector.put(delta((0, "x", [12], FinishReason.LENGTH, lp[12], -0.75)))
+            return await get_within(collector, 2.0)
+
+    merged = run(scenario(), **COLLECTOR_GET)
+    expect_equal(completions(merged) if isinstance(merged, RequestOutput) else merged,
+                 [(0, "ax", [11, 12], FinishReason.LENGTH), (1, "bc", [21, 22], None)],
+                 inputs=f"{inputs}; the samples of the one output get returns (merge_delta folds them by index)")
+    expect_equal([[list(entry) for entry in c.logprobs] for c in merged.outputs], [[[11], [12]], [[21], [22]]],
+                 inputs=f"{inputs}; each sample's logprobs, one entry per token")
+
+
+# --- generate ------------------------------------------------------------------------------------------------------
+
+LONG = SamplingParams(max_tokens=200, **GREEDY)  # long enough that finishing it would show in the counters
+
+
+@contextmanager
+def tiny_async_llm():
+    """A real `AsyncLLM` on the tiny model, its engine core (the reference loop) in a thread of this process."""
+    config = EngineArgs(model=str(tiny_checkpoint("llama-gqa")), block_size=4, num_kv_blocks=128, max_num_seqs=8,
+                        max_model_len=256).create_engine_config()
+    llm = async_llm.AsyncLLM(config, Executor.get_class(config), engine_core="thread")
+    try:
+        yield llm
+    finally:
+        llm.shutdown()
+
+
+def generated_tokens(llm) -> float:
+    """The front end's `vllm:generation_tokens` counter: tokens of the requests it still delivers."""
+    return sum(sample.value for metric in llm.stat_logger.registry.collect() for sample in metric.samples
+               if sample.name == "vllm:generation_tokens_total")
+
+
+async def until_idle(llm, seconds: float = 20.0) -> None:
+    """Wait until the core has no unfinished request (an aborted one leaves before the core's next step)."""
+    deadline = time.monotonic() + seconds
+    while llm.engine_core.engine_core.has_unfinished_requests() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+
+
+AFTER_FINISHED_SECONDS = 2.0  # for a stream to end once its finished output is out
+
+
+async def read_all(stream) -> list[RequestOutput]:
+    """Every output of `stream`; an ExerciseError if it does not end within seconds of its finished output."""
+    outputs: list[RequestOutput] = []
+    while True:
+        ended = bool(outputs) and outputs[-1].finished
+        try:
+            outputs.append(await asyncio.wait_for(anext(stream), AFTER_FINISHED_SECONDS if ended else 20.0))
+        except StopAsyncIteration:
+            return outputs
+        except TimeoutError:
+            if not ended:
+                raise
+            raise ExerciseError(hang_message("your generate, after the output with finished=True",
+                                             AFTER_FINISHED_SECONDS, GENERATE_ENDS["likely"])) from None
+
+
+def tokens_of(outputs: list[RequestOutput]) -> list[int]:
+    return [token for output in outputs for token in output.outputs[0].token_ids]
+
+
+GENERATE_ENDS = dict(what="your generate", likely="the loop does not stop after the output with finished=True, so "
+                     "it waits on the collector for an output that never comes")
+
+
+@pytest.mark.exercise("generate")
+def test_generate_streams_until_the_finished_output(impl):
+    prompts = {"a": [5, 6, 7], "b": list(range(20, 31))}
+    inputs = "two requests at once (3- and 11-token prompts, 6 greedy tokens each), each read to its end"
+
+    async def scenario():
+        with tiny_async_llm() as llm, exercising("generate", inputs):
+            params = SamplingParams(max_tokens=6, **GREEDY)
+            return await asyncio.gather(*(read_all(impl.generate(llm, p, params, r)) for r, p in prompts.items()))
+
+    streams = run(scenario(), **GENERATE_ENDS, timeout=30)
+    for (request_id, prompt), outputs in zip(prompts.items(), streams, strict=True):
+        expect_equal(tokens_of(outputs), offline(prompt, 6),
+                     inputs=f"{inputs}; the tokens request {request_id!r} streamed (oracle: LLM.generate)")
+        expect_equal([o.finished for o in outputs], [False] * (len(outputs) - 1) + [True],
+                     inputs=f"{inputs}; `finished` of each output request {request_id!r} streamed")
+
+
+@pytest.mark.exercise("generate")
+def test_generate_aborts_when_the_caller_closes_the_stream(impl):
+    inputs = f"a greedy request of {LONG.max_tokens} tokens; the caller reads one output and closes the stream"
+
+    async def scenario():
+        with tiny_async_llm() as llm, exercising("generate", inputs):
+            stream = impl.generate(llm, list(range(10, 20)), LONG, "closed")
+            await anext(stream)
+            await stream.aclose()  # what leaving an `async for` early does, and what a server does on disconnect
+            await until_idle(llm)
+            return generated_tokens(llm)
+
+    generated = run(scenario(), what="your generate", timeout=40,
+                    likely="the request is not aborted, so the core runs it to its end")
+    expect_equal(generated < LONG.max_tokens / 2, True,
+                 inputs=f"{inputs}; tokens generated ({generated:.0f}): the request must be aborted (in the "
+                 "`finally` of generate: closing the stream raises GeneratorExit at its `yield`)")
+
+
+@pytest.mark.exercise("generate")
+def test_generate_aborts_when_the_callers_task_is_cancelled(impl):
+    inputs = (f"a greedy request of {LONG.max_tokens} tokens read by a task; the task is cancelled after its first "
+              "output (what a server does when the client goes away)")
+
+    async def scenario():
+        with tiny_async_llm() as llm, exercising("generate", inputs):
+            started = asyncio.Event()
+
+            async def consume():
+                async for _ in impl.generate(llm, list(range(10, 20)), LONG, "cancelled"):
+                    started.set()
+
+            task = asyncio.create_task(consume())
+            waiter = asyncio.ensure_future(started.wait())
+            await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if task.done():
+                task.result()  # the stream failed before its first output: that error is the answer
+                return "the stream ended before its first output", generated_tokens(llm)
+            task.cancel()
+            outcome = "cancelled"
+            try:
+                await task
+                outcome = "the task ended normally"
+            except asyncio.CancelledError:
+                pass
+            await until_idle(llm)
+            return outcome, generated_tokens(llm)
+
+    outcome, generated = run(scenario(), what="your generate", timeout=40,
+                             likely="the request is not aborted, so the core runs it to its end")
+    expect_equal(outcome, "cancelled", inputs=f"{inputs}; how the cancelled task ended (let CancelledError through)")
+    expect_equal(generated < LONG.max_tokens / 2, True,
+                 inputs=f"{inputs}; tokens generated ({generated:.0f}): the request must be aborted (CancelledError "
+                 "arrives at the `await` on the collector; a `finally` sees it)")
+
+
+@pytest.mark.exercise("generate")
+def test_generate_never_aborts_a_finished_request(impl):
+    inputs = ("request 'r' (4 tokens) read up to its finished output and left there (the stream is not exhausted); "
+              "a new request with the same id 'r' (12 tokens) starts; then the old stream is closed")
+
+    async def scenario():
+        with tiny_async_llm() as llm, exercising("generate", inputs):
+            old = impl.generate(llm, [5, 6, 7], SamplingParams(max_tokens=4, **GREEDY), "r")
+            async for output in old:
+                if output.finished:
+                    break  # the caller has everything; the generator is still suspended at its `yield`
+            new = impl.generate(llm, list(range(20, 31)), SamplingParams(max_tokens=12, **GREEDY), "r")
+            first = await anext(new)
+            await old.aclose()  # the old request is finished: nothing may be aborted now
+            rest = await read_all(new)
+            return [first, *rest]
+
+    outputs = run(scenario(), **GENERATE_ENDS, timeout=30)
+    expect_equal((tokens_of(outputs), outputs[-1].outputs[0].finish_reason), (offline(list(range(20, 31)), 12),
+                 FinishReason.LENGTH), inputs=f"{inputs}; the new request's tokens and finish reason (an abort "
+                 "sent for the finished request would hit the new one: abort only a request that has not finished)")
+
+
+@pytest.mark.exercise("generate")
+def test_generate_refuses_a_duplicate_id_without_touching_the_first(impl):
+    inputs = "request 'dup' (16 tokens) streaming; a second request with the id 'dup' is submitted meanwhile"
+
+    async def scenario():
+        with tiny_async_llm() as llm, exercising("generate", inputs):
+            first = impl.generate(llm, list(range(20, 31)), SamplingParams(max_tokens=16, **GREEDY), "dup")
+            outputs = [await anext(first)]
+            try:
+                await read_all(impl.generate(llm, [5, 6, 7], SamplingParams(max_tokens=4, **GREEDY), "dup"))
+                refused = "accepted"
+            except ValueError as error:
+                refused = "ValueError" if "request_id" in str(error) else f"ValueError: {error}"
+            outputs += await read_all(first)
+            return refused, outputs
+
+    refused, outputs = run(scenario(), **GENERATE_ENDS, timeout=30)
+    expect_equal(refused, "ValueError", inputs=f"{inputs}; the second request (refused by add_request, naming the id)")
+    expect_equal((tokens_of(outputs), outputs[-1].outputs[0].finish_reason),
+                 (offline(list(range(20, 31)), 16), FinishReason.LENGTH),
+                 inputs=f"{inputs}; the first request's tokens and finish reason (a refused submit has nothing to "
+                 "abort: start the `try` after add_request, or the first request's abort is sent in its name)")
+
+
+@pytest.mark.exercise("generate")
+def test_generate_raises_engine_dead_when_the_core_dies(impl):
+    inputs = (f"a greedy request of {LONG.max_tokens} tokens streaming; then a request whose prompt holds a token "
+              "outside the vocabulary reaches the core directly (past the front end's checks), so the next step "
+              "raises and the core dies; then a new request")
+
+    async def scenario():
+        with tiny_async_llm() as llm, exercising("generate", inputs):
+            stream = impl.generate(llm, list(range(10, 20)), LONG, "victim")
+            await anext(stream)
+            vocab = llm.vllm_config.model_config.vocab_size
+            llm.engine_core.add_request(core.EngineCoreRequest("poison", [vocab + 5], LONG, 0))
+            try:
+                await read_all(stream)
+                during = "the stream ended without an error"
+            except async_llm.EngineDeadError:
+                during = "EngineDeadError"
+            try:
+                await read_all(impl.generate(llm, [5, 6, 7], SamplingParams(max_tokens=4, **GREEDY), "later"))
+                after = "served"
+            except async_llm.EngineDeadError:
+                after = "EngineDeadError"
+            return during, after
+
+    during, after = run(scenario(), what="your generate", timeout=30,
+                        likely="the stream does not end when the core dies (EngineDeadError swallowed)")
+    expect_equal(during, "EngineDeadError", inputs=f"{inputs}; what the waiting caller got (let the collector's "
+                 "EngineDeadError through: a stream that just stops looks like a finished answer)")
+    expect_equal(after, "EngineDeadError", inputs=f"{inputs}; what the request after the death got")
 
 
 # --- until_disconnected --------------------------------------------------------------------------------------------
@@ -377,6 +614,10 @@ class Connection:
 
     def disconnect(self) -> None:
         self.messages.put_nowait({"type": "http.disconnect"})
+
+
+UNTIL = dict(what="your until_disconnected", likely="the work is awaited to its end although the client left, or the "
+             "watcher is awaited after the work finished")
 
 
 async def slow_work(seconds: float, log: list) -> str:
@@ -400,7 +641,7 @@ def test_until_disconnected_returns_the_work_when_the_client_stays(impl):
         left = [t for t in asyncio.all_tasks() - before if not t.done()]
         return result, log, len(left)
 
-    result, log, left = run(scenario())
+    result, log, left = run(scenario(), **UNTIL)
     expect_equal((result, log), ("the response", ["done"]), inputs=f"{inputs}; (result, what the work did)")
     expect_equal(left, 0, inputs=f"{inputs}; tasks still running afterwards (the watcher must be cancelled)")
 
@@ -419,7 +660,7 @@ def test_until_disconnected_cancels_the_work_when_the_client_leaves(impl):
             outcome = "ClientDisconnected"
         return outcome, list(log), time.monotonic() - start
 
-    outcome, log, seconds = run(scenario())
+    outcome, log, seconds = run(scenario(), **UNTIL)
     expect_equal(outcome, "ClientDisconnected", inputs=f"{inputs}; what until_disconnected returned or raised")
     expect_equal(log, ["cancelled"], inputs=f"{inputs}; what the work did by the time until_disconnected returned")
     expect_equal(seconds < 2.0, True, inputs=f"{inputs}; returned after {seconds:.2f} s (the disconnect was at 0.05 s)")
@@ -438,7 +679,7 @@ def test_until_disconnected_ignores_other_messages(impl):
             result = "ClientDisconnected"
         return result, log
 
-    expect_equal(run(scenario()), ("the response", ["done"]), inputs=f"{inputs}; (result, what the work did)")
+    expect_equal(run(scenario(), **UNTIL), ("the response", ["done"]), inputs=f"{inputs}; (result, what the work did)")
 
 
 @pytest.mark.exercise("until_disconnected")
@@ -458,63 +699,7 @@ def test_until_disconnected_passes_the_works_error_on(impl):
             return "ClientDisconnected"
         return "returned"
 
-    expect_equal(run(scenario()), "ValueError: bad prompt", inputs=f"{inputs}; what until_disconnected raised")
-
-
-# --- serving_metrics -----------------------------------------------------------------------------------------------
-
-Timeline = serving_benchmark.RequestTimeline
-
-
-def hand_made_timelines() -> list:
-    """Two streamed requests and a failed one (seconds):
-    A: sent 0.0, chunks at 0.5, 0.6, 0.8, ends 0.8, 3 tokens → TTFT 0.5, TPOT (0.8-0.5)/2 = 0.15, ITLs 0.1, 0.2, e2e 0.8
-    B: sent 1.0, chunks at 1.2, 2.0,      ends 2.0, 2 tokens → TTFT 0.2, TPOT (1.0-0.2)/1 = 0.8,  ITL 0.8,      e2e 1.0
-    C: sent 1.5, failed at 1.6."""
-    return [
-        Timeline(sent=0.0, chunk_times=[0.5, 0.6, 0.8], end=0.8, output_tokens=3),
-        Timeline(sent=1.0, chunk_times=[1.2, 2.0], end=2.0, output_tokens=2),
-        Timeline(sent=1.5, end=1.6, error="the stream carried no tokens"),
-    ]
-
-
-def rounded(stats: dict) -> dict:
-    return {key: round(value, 6) for key, value in stats.items()}
-
-
-@pytest.mark.exercise("serving_metrics")
-def test_serving_metrics_latencies(impl):
-    inputs = "hand-made timelines (see hand_made_timelines): A and B completed, C failed; duration 2.0 s"
-    metrics = impl.serving_metrics(hand_made_timelines(), 2.0)
-    expect_equal(rounded(metrics["ttft_s"]), {"mean": 0.35, "p50": 0.35, "p99": 0.497}, inputs=f"{inputs}; ttft_s")
-    expect_equal(rounded(metrics["tpot_s"]), {"mean": 0.475, "p50": 0.475, "p99": 0.7935}, inputs=f"{inputs}; tpot_s")
-    expect_equal(rounded(metrics["e2e_s"]), {"mean": 0.9, "p50": 0.9, "p99": 0.998}, inputs=f"{inputs}; e2e_s")
-
-
-@pytest.mark.exercise("serving_metrics")
-def test_serving_metrics_inter_token_latencies_are_gaps_between_chunks(impl):
-    inputs = "hand-made timelines: ITLs 0.1, 0.2 (A) and 0.8 (B)"
-    metrics = impl.serving_metrics(hand_made_timelines(), 2.0)
-    expect_equal(rounded(metrics["itl_s"]), {"mean": 0.366667, "p50": 0.2, "p99": 0.788}, inputs=f"{inputs}; itl_s")
-
-
-@pytest.mark.exercise("serving_metrics")
-def test_serving_metrics_counts_and_throughput(impl):
-    inputs = "hand-made timelines: 2 completed (5 output tokens), 1 failed, duration 2.0 s"
-    metrics = impl.serving_metrics(hand_made_timelines(), 2.0)
-    got = {k: round(metrics[k], 6) for k in ("completed", "failed", "request_throughput", "output_throughput")}
-    expect_equal(got, {"completed": 2, "failed": 1, "request_throughput": 1.0, "output_throughput": 2.5}, inputs=inputs)
-    expect_equal(round(metrics["normalized_latency_s_per_token"], 6), round((0.8 / 3 + 1.0 / 2) / 2, 6),
-                 inputs=f"{inputs}; normalized_latency_s_per_token (mean of e2e / output tokens)")
-
-
-@pytest.mark.exercise("serving_metrics")
-def test_serving_metrics_skips_tpot_for_a_one_token_request(impl):
-    inputs = "A from hand_made_timelines and D: sent 0, one chunk at 0.3, 1 token"
-    timelines = [hand_made_timelines()[0], Timeline(sent=0.0, chunk_times=[0.3], end=0.3, output_tokens=1)]
-    metrics = impl.serving_metrics(timelines, 1.0)
-    expect_equal(rounded(metrics["tpot_s"]), {"mean": 0.15, "p50": 0.15, "p99": 0.15},
-                 inputs=f"{inputs}; tpot_s (a single token has no time per output token after the first)")
+    expect_equal(run(scenario(), **UNTIL), "ValueError: bad prompt", inputs=f"{inputs}; what until_disconnected raised")
 
 
 # --- capstone: a live server on SmolLM2, on all of your pieces -----------------------------------------------------
@@ -542,18 +727,12 @@ async def capstone_clients(base_url: str) -> dict:
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="EMPTY", max_retries=0, timeout=20)
     greedy = dict(model="smollm2-135m", temperature=0.0, max_tokens=CAPSTONE_TOKENS, extra_body={"ignore_eos": True})
 
-    async def streamed(i: int):
-        timeline = serving_benchmark.RequestTimeline(sent=time.perf_counter())
+    async def streamed(i: int) -> str:
         text = ""
-        async for chunk in await client.completions.create(prompt=CAPSTONE_PROMPTS[i], stream=True,
-                                                           stream_options={"include_usage": True}, **greedy):
+        async for chunk in await client.completions.create(prompt=CAPSTONE_PROMPTS[i], stream=True, **greedy):
             if chunk.choices:
-                timeline.chunk_times.append(time.perf_counter())
                 text += chunk.choices[0].text
-            if chunk.usage is not None:
-                timeline.output_tokens = chunk.usage.completion_tokens
-        timeline.end = time.perf_counter()
-        return text, timeline
+        return text
 
     async def whole(i: int) -> str:
         return (await client.completions.create(prompt=CAPSTONE_PROMPTS[i], **greedy)).choices[0].text
@@ -595,9 +774,10 @@ def test_capstone_a_live_server_on_your_pieces_serves_hugging_faces_tokens(impl)
               f"of CAPSTONE_PROMPTS {CAPSTONE_STREAMED} and a whole one of prompt {CAPSTONE_WHOLE}, {CAPSTONE_TOKENS} "
               f"tokens each, at once; two clients of {LONG_TOKENS}-token requests hang up (one mid-stream, one "
               "before its whole response)")
-    with swap_in(impl, REFERENCE) as mine:  # your loop, merge, collector and disconnect handling, in the server
+    with swap_in(impl, REFERENCE):  # your loop, collector, generate and disconnect handling, in the server
         with serve_in_background("smollm2-135m", engine_core="thread", **CAPSTONE_ENGINE) as server:
-            results = run(capstone_clients(server.base_url), timeout=180)
+            results = run(capstone_clients(server.base_url), timeout=180, what="the capstone's clients",
+                          likely="a stream that never ends (generate or the collector), or a core loop that stopped")
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline and (metric(server.base_url, "vllm:num_requests_running") > 0
                                                     or metric(server.base_url, "vllm:kv_cache_usage_perc") > 0):
@@ -605,9 +785,7 @@ def test_capstone_a_live_server_on_your_pieces_serves_hugging_faces_tokens(impl)
             running = metric(server.base_url, "vllm:num_requests_running")
             usage = metric(server.base_url, "vllm:kv_cache_usage_perc")
             generated = metric(server.base_url, "vllm:generation_tokens_total")
-        timelines = [timeline for _, timeline in results["streamed"]]
-        metrics = mine.serving_metrics(timelines, max(t.end for t in timelines) - min(t.sent for t in timelines))
-    for (text, _), i in zip(results["streamed"], CAPSTONE_STREAMED, strict=True):
+    for text, i in zip(results["streamed"], CAPSTONE_STREAMED, strict=True):
         want = tokenizer.decode(smollm2_greedy(i, CAPSTONE_TOKENS), skip_special_tokens=True)
         expect_equal(text, want, inputs=f"{inputs}; streamed text of prompt {i} (oracle: Hugging Face greedy, decoded)")
     want = tokenizer.decode(smollm2_greedy(CAPSTONE_WHOLE, CAPSTONE_TOKENS), skip_special_tokens=True)
@@ -617,9 +795,3 @@ def test_capstone_a_live_server_on_your_pieces_serves_hugging_faces_tokens(impl)
     served = CAPSTONE_TOKENS * (len(CAPSTONE_STREAMED) + 1)
     expect_equal(generated < served + LONG_TOKENS, True, inputs=f"{inputs}; tokens generated ({generated:.0f}): the "
                  f"two requests whose clients left must stop long before their {LONG_TOKENS} tokens")
-    ttft = sorted(t.chunk_times[0] - t.sent for t in timelines)
-    tpot = sorted((t.end - t.chunk_times[0]) / (t.output_tokens - 1) for t in timelines)
-    expect_equal((metrics["completed"], round(metrics["ttft_s"]["p50"], 9), round(metrics["tpot_s"]["p50"], 9)),
-                 (len(timelines), round((ttft[2] + ttft[3]) / 2, 9), round((tpot[2] + tpot[3]) / 2, 9)),
-                 inputs=f"{inputs}; your serving_metrics on the six streamed timelines: (completed, TTFT p50, "
-                 "TPOT p50)")

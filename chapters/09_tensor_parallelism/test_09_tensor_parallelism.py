@@ -2,12 +2,19 @@
 
 Each test grades one exercise (`@pytest.mark.exercise`). The oracles owe nothing to the code under test: head
 ranges written out by hand and the rules every partition must keep (each query head once, beside its K/V head);
-slices cut by reshaping a weight into its heads; the whole layer (`F.linear`, `F.embedding` on the unsplit
-weight) for what the ranks compute together, on a real gloo group of 2 or 3 processes (`grading/ranks.py`);
-and, for the capstone, Hugging Face's greedy tokens for SmolLM2 split over 2 ranks.
+the whole layer (`F.linear`, `F.embedding` on the unsplit weight) for what the ranks compute together, on a real
+gloo group of 2 or 3 processes (`grading/ranks.py`), in float32 and bf16, and alone on `DEVICE` (the GPU when there
+is one); one rank's greedy tokens for the engine's step in lockstep over 2 forked ranks; and, for the capstone,
+Hugging Face's greedy tokens for SmolLM2 split over 2 ranks.
+
+Nothing here waits for ever: a rank's collective gives up after the group's timeout (shortened here to
+`STEP_TIMEOUT_SECONDS`), and every engine run is bounded (`grading/waits.py`), with a message that says which wait
+never returned and why that usually happens.
 """
 
 import dataclasses
+import functools
+import re
 
 import pytest
 import torch
@@ -15,20 +22,29 @@ import torch.nn.functional as F
 
 from grading import exercising, expect_close, expect_equal, expect_raises
 from grading.capstone import CAPSTONE_PROMPTS, generate_batch, smollm2_greedy, swap_in
+from grading.devices import DEVICE
+from grading.impl import ExerciseError
 from grading.ranks import run_on_ranks
-from solutions import SamplingParams
-from solutions.distributed import layers
+from grading.tiny_models import tiny_checkpoint
+from grading.waits import run_bounded
+from solutions import LLM, SamplingParams
+from solutions.distributed import layers, parallel_state
 from solutions.distributed.layers import Partition
 from solutions.engine.arg_utils import EngineArgs
 from solutions.engine.llm_engine import LLMEngine
+from solutions.executor import multiproc_executor
 from solutions.model.config import ModelConfig
+from solutions.worker.model_runner import ModelRunner
 
 REFERENCE = {
     "partition": layers.partition,
-    "shard_weight": layers.shard_weight,
     "RowParallelLinear": layers.RowParallelLinear,
     "VocabParallelEmbedding": layers.VocabParallelEmbedding,
+    "execute_model_in_lockstep": multiproc_executor.execute_model_in_lockstep,
+    "worker_busy_loop": multiproc_executor.worker_busy_loop,
 }
+DTYPES = (torch.float32, torch.bfloat16)
+STEP_TIMEOUT_SECONDS = 10.0  # the group's collective timeout in the engine tests: a stuck step fails in seconds
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -133,152 +149,96 @@ def test_partition_keeps_every_query_head_with_its_kv_head_over_many_shapes(impl
 
 @pytest.mark.exercise("partition")
 def test_partition_refuses_a_split_that_parts_heads(impl):
-    for cfg, tp_size in ((config(4, 2), 3), (config(4, 1), 8), (config(6, 2), 4)):
+    for cfg, tp_size in ((config(4, 2), 3), (config(4, 1), 8), (config(6, 2), 4), (SMOLLM2, 4)):
         inputs = f"{name(cfg, tp_size)}: fewer K/V heads than ranks, and the ranks do not divide them evenly"
         expect_raises(ValueError, lambda cfg=cfg, tp_size=tp_size: impl.partition(cfg, tp_size), inputs=inputs)
 
 
-# --- shard_weight -------------------------------------------------------------------------------------------------
+def allowed_sizes(cfg: ModelConfig) -> list[int]:
+    """Written out from the rule: 1 .. num_kv_heads, or num_kv_heads times a divisor (> 1) of the group."""
+    kv, group = cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads
+    return sorted(set(range(1, kv + 1)) | {kv * r for r in range(2, group + 1) if group % r == 0})
 
 
-def full_state(cfg: ModelConfig, *, bias: bool = False, seed: int = 0) -> dict[str, torch.Tensor]:
-    """One decoder layer's parameters, plus the embedding, final norm and LM head, named as in the model."""
-    g = torch.Generator().manual_seed(seed)
-    d, hq, hkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
-    hd, ffn = cfg.head_dim, cfg.intermediate_size
-    shapes = {
-        "model.embed_tokens.weight": (cfg.vocab_size, d),
-        "model.layers.0.input_layernorm.weight": (d,),
-        "model.layers.0.self_attn.q_proj.weight": (hq * hd, d),
-        "model.layers.0.self_attn.k_proj.weight": (hkv * hd, d),
-        "model.layers.0.self_attn.v_proj.weight": (hkv * hd, d),
-        "model.layers.0.self_attn.o_proj.weight": (d, hq * hd),
-        "model.layers.0.post_attention_layernorm.weight": (d,),
-        "model.layers.0.mlp.gate_proj.weight": (ffn, d),
-        "model.layers.0.mlp.up_proj.weight": (ffn, d),
-        "model.layers.0.mlp.down_proj.weight": (d, ffn),
-        "model.norm.weight": (d,),
-        "lm_head.weight": (cfg.vocab_size, d),
-    }
-    if bias:
-        shapes |= {
-            "model.layers.0.self_attn.q_proj.bias": (hq * hd,), "model.layers.0.self_attn.k_proj.bias": (hkv * hd,),
-            "model.layers.0.self_attn.v_proj.bias": (hkv * hd,), "model.layers.0.self_attn.o_proj.bias": (d,),
-            "model.layers.0.mlp.gate_proj.bias": (ffn,), "model.layers.0.mlp.up_proj.bias": (ffn,),
-            "model.layers.0.mlp.down_proj.bias": (d,),
-        }
-    return {k: torch.randn(shape, generator=g) for k, shape in shapes.items()}
+@pytest.mark.exercise("partition")
+def test_partition_refusal_names_tensor_parallel_size_and_the_allowed_values(impl):
+    for cfg, tp_size in ((SMOLLM2, 4), (config(4, 2), 3), (config(12, 2), 5)):
+        inputs = f"{name(cfg, tp_size)}: no valid split; whoever set tensor_parallel_size must learn what to set"
+        with pytest.raises(ValueError) as refused:  # a stub's "not implemented" (an AssertionError) passes through
+            impl.partition(cfg, tp_size)
+        message, allowed = str(refused.value), allowed_sizes(cfg)
+        named = "tensor_parallel_size" in message
+        missing = sorted(set(allowed) - {int(n) for n in re.findall(r"\d+", message)})
+        expect_equal((named, missing), (True, []), inputs=f"{inputs}; your message {message!r}: (does it name "
+                     f"`tensor_parallel_size`?, which of the allowed values {allowed} it leaves out)")
 
 
-def heads(w: torch.Tensor, head_dim: int, first: int, last: int, *, dim: int = 0) -> torch.Tensor:
-    """Heads first..last-1 of a weight whose `dim` runs over heads of `head_dim`, cut by reshaping into heads."""
-    if dim == 1:
-        return heads(w.T, head_dim, first, last).T
-    return w.reshape(-1, head_dim, *w.shape[1:])[first:last].reshape(-1, *w.shape[1:])
+@pytest.mark.exercise("partition")
+def test_partition_replicates_each_kv_head_over_two_three_and_four_ranks(impl):
+    cases = [  # (config, tp_size, each rank's (q_heads, kv_heads)), written out by hand
+        (config(6, 1), 3, [((0, 2), (0, 1)), ((2, 4), (0, 1)), ((4, 6), (0, 1))]),
+        (config(12, 1), 4, [((0, 3), (0, 1)), ((3, 6), (0, 1)), ((6, 9), (0, 1)), ((9, 12), (0, 1))]),
+        (config(6, 2), 6, [((0, 1), (0, 1)), ((1, 2), (0, 1)), ((2, 3), (0, 1)), ((3, 4), (1, 2)), ((4, 5), (1, 2)),
+                           ((5, 6), (1, 2))]),
+        (SMOLLM2, 9, [((h, h + 1), (h // 3, h // 3 + 1)) for h in range(9)]),  # SmolLM2 over 9: each K/V head on 3
+    ]
+    for cfg, tp_size, want in cases:
+        inputs = name(cfg, tp_size)
+        got = [(q, kv) for q, kv, _, _ in partitions(impl, cfg, tp_size, inputs)]
+        expect_equal(got, want, inputs=f"{inputs}; each rank's (q_heads, kv_heads): K/V head h on ranks "
+                     f"h * {tp_size // cfg.num_key_value_heads} onward, its query heads split among them")
 
 
-def oracle_slice(key: str, w: torch.Tensor, part: Partition, head_dim: int) -> torch.Tensor:
-    """What a rank keeps, written from the layer's role: heads for attention, units for the MLP, rows of the
-    vocabulary; whole for norms and a row-parallel layer's bias."""
-    module, kind = key.split(".")[-2:]
-    (q0, q1), (k0, k1), (i0, i1), (v0, v1) = part.q_heads, part.kv_heads, part.intermediate, part.vocab
-    if module == "q_proj":
-        return heads(w, head_dim, q0, q1)
-    if module in ("k_proj", "v_proj"):
-        return heads(w, head_dim, k0, k1)
-    if module == "o_proj" and kind == "weight":
-        return heads(w, head_dim, q0, q1, dim=1)
-    if module in ("gate_proj", "up_proj"):
-        return w[i0:i1]
-    if module == "down_proj" and kind == "weight":
-        return w[:, i0:i1]
-    if module in ("embed_tokens", "lm_head"):
-        return w[v0:v1]
-    return w
-
-
-def expect_slices(impl, cfg: ModelConfig, tp_size: int, state: dict[str, torch.Tensor], inputs: str) -> None:
-    for rank, part in enumerate(layers.partition(cfg, tp_size)):
-        for key, w in state.items():
-            where = f"{inputs}; rank {rank} of {tp_size} ({part}); shard_weight({key!r}, {tuple(w.shape)})"
-            with exercising("shard_weight", where):
-                got = impl.shard_weight(key, w, part, cfg.head_dim)
-            expect_close(got, oracle_slice(key, w, part, cfg.head_dim), inputs=where, atol=0, rtol=0)
-
-
-@pytest.mark.exercise("shard_weight")
-def test_shard_weight_cuts_every_parameter_of_smollm2s_shape(impl):
-    expect_slices(impl, SMOLLM2, 2, full_state(SMOLLM2),
-                  "SmolLM2's shape (9 query heads, 3 K/V, head_dim 64, intermediate 1536, vocab 49152)")
-
-
-@pytest.mark.exercise("shard_weight")
-def test_shard_weight_cuts_biases_with_their_rows_and_keeps_a_row_parallel_bias_whole(impl):
-    cfg = config(4, 2)
-    expect_slices(impl, cfg, 2, full_state(cfg, bias=True),
-                  "4 query heads, 2 K/V, head_dim 8, every projection with a bias (o_proj's and down_proj's stay "
-                  "whole: added once, after the all-reduce)")
-
-
-@pytest.mark.exercise("shard_weight")
-def test_shard_weight_replicates_a_kv_head_over_ranks(impl):
-    cfg = config(8, 2, intermediate=30, vocab=50)
-    expect_slices(impl, cfg, 4, full_state(cfg, bias=True), "8 query heads, 2 K/V heads, 4 ranks (each K/V head on 2)")
-
-
-@pytest.mark.exercise("shard_weight")
-def test_shard_weight_column_and_row_slices_recompose_the_whole_layer(impl):
-    cfg = config(6, 3, intermediate=48)
-    state = full_state(cfg, bias=True)
-    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
-    parts = layers.partition(cfg, 2)
-    for proj, row in (("self_attn.q_proj", "self_attn.o_proj"), ("mlp.up_proj", "mlp.down_proj")):
-        w_col, b_col = state[f"model.layers.0.{proj}.weight"], state[f"model.layers.0.{proj}.bias"]
-        w_row, b_row = state[f"model.layers.0.{row}.weight"], state[f"model.layers.0.{row}.bias"]
-        inputs = f"6 query heads, 3 K/V, 2 ranks ({parts}): {proj} then {row} on x (5, {cfg.hidden_size})"
-        hidden, out = [], torch.zeros(5, cfg.hidden_size)
-        with exercising("shard_weight", inputs):
-            for part in parts:
-                mine = F.linear(x, impl.shard_weight(f"model.layers.0.{proj}.weight", w_col, part, cfg.head_dim),
-                                impl.shard_weight(f"model.layers.0.{proj}.bias", b_col, part, cfg.head_dim))
-                hidden.append(mine)
-                out += F.linear(mine, impl.shard_weight(f"model.layers.0.{row}.weight", w_row, part, cfg.head_dim))
-        expect_close(torch.cat(hidden, dim=-1), F.linear(x, w_col, b_col), inputs=f"{inputs}; the column-parallel "
-                     "outputs of the ranks side by side, against the whole layer's", atol=1e-5)
-        expect_close(out + b_row, F.linear(F.linear(x, w_col, b_col), w_row, b_row), inputs=f"{inputs}; the sum of the "
-                     "ranks' row-parallel outputs plus the bias once, against the whole pair of layers", atol=1e-4)
+@pytest.mark.exercise("partition")
+def test_partition_deals_uneven_kv_groups_and_a_vocabulary_that_does_not_divide(impl):
+    cases = [
+        (config(10, 5, intermediate=100, vocab=49153), 3,  # 5 K/V groups over 3 ranks: 1, 2 and 2
+         [((0, 2), (0, 1), (0, 33), (0, 16384)), ((2, 6), (1, 3), (33, 66), (16384, 32768)),
+          ((6, 10), (3, 5), (66, 100), (32768, 49153))]),
+        (SMOLLM2, 3, [((0, 3), (0, 1), (0, 512), (0, 16384)), ((3, 6), (1, 2), (512, 1024), (16384, 32768)),
+                      ((6, 9), (2, 3), (1024, 1536), (32768, 49152))]),
+    ]
+    for cfg, tp_size, want in cases:
+        inputs = name(cfg, tp_size)
+        expect_equal(partitions(impl, cfg, tp_size, inputs), want, inputs=f"{inputs}; each rank's (q_heads, "
+                     "kv_heads, intermediate, vocab): whole K/V groups by split_evenly, and split_evenly's ranges")
 
 
 # --- RowParallelLinear --------------------------------------------------------------------------------------------
 
 
-def row_parallel_case(rank: int, cls: type, in_features: int, out_features: int, bias: bool, rows: int, world: int):
-    """Rank `rank` of a row-parallel split of one whole linear layer: this rank's output, and the whole layer's."""
+def row_parallel_case(rank: int, cls: type, in_features: int, out_features: int, bias: bool, rows: int, world: int,
+                      dtype: torch.dtype = torch.float32, columns: list[tuple[int, int]] | None = None):
+    """Rank `rank` of a row-parallel split of one whole linear layer (by `columns`, or split_evenly): this rank's
+    output, and the whole layer's computed in float64 from the same `dtype` values."""
     g = torch.Generator().manual_seed(7)
-    whole = torch.nn.Linear(in_features, out_features, bias=bias)
+    weight = torch.randn(out_features, in_features, generator=g).to(dtype)
+    whole_bias = torch.randn(out_features, generator=g).to(dtype) if bias else None
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    start, end = (columns or layers.split_evenly(in_features, world))[rank]
+    mine = cls(end - start, out_features, bias=bias, dtype=dtype)
     with torch.no_grad():
-        whole.weight.copy_(torch.randn(out_features, in_features, generator=g))
+        mine.weight.copy_(weight[:, start:end])
         if bias:
-            whole.bias.copy_(torch.randn(out_features, generator=g))
-    x = torch.randn(rows, in_features, generator=g)
-    start, end = layers.split_evenly(in_features, world)[rank]
-    mine = cls(end - start, out_features, bias=bias)
-    with torch.no_grad():
-        mine.weight.copy_(whole.weight[:, start:end])
-        if bias:
-            mine.bias.copy_(whole.bias)
-        return mine(x[:, start:end].clone()), whole(x)
+            mine.bias.copy_(whole_bias)
+        whole = F.linear(x.double(), weight.double(), None if whole_bias is None else whole_bias.double())
+        return mine(x[:, start:end].clone()), whole
 
 
-def expect_row_parallel(impl, in_features: int, out_features: int, bias: bool, rows: int, world: int) -> None:
-    inputs = (f"RowParallelLinear on {world} ranks: a whole Linear({in_features}, {out_features}, bias={bias}) split "
-              f"by input columns {layers.split_evenly(in_features, world)}, each rank given its columns of x "
-              f"({rows}, {in_features}) and the whole bias")
+def expect_row_parallel(impl, in_features: int, out_features: int, bias: bool, rows: int, world: int,
+                        dtype: torch.dtype = torch.float32, columns: list[tuple[int, int]] | None = None,
+                        why: str = "") -> None:
+    columns = columns or layers.split_evenly(in_features, world)
+    inputs = (f"RowParallelLinear on {world} ranks, {dtype}: a whole Linear({in_features}, {out_features}, "
+              f"bias={bias}) split by input columns {columns}, each rank given its columns of x ({rows}, "
+              f"{in_features}) and the whole bias{why}")
     results = run_on_ranks(row_parallel_case, world, impl.RowParallelLinear, in_features, out_features, bias, rows,
-                           world)
+                           world, dtype, columns)
+    tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.25, rtol=0.02)
     for rank, (got, want) in enumerate(results):
+        expect_equal(got.dtype, dtype, inputs=f"{inputs}; the dtype of rank {rank}'s output (the layer's own)")
         expect_close(got, want, inputs=f"{inputs}; rank {rank}'s output against the whole layer's (every rank gets "
-                     "the full sum)", atol=1e-4)
+                     "the full sum)", **tolerance)
 
 
 @pytest.mark.exercise("RowParallelLinear")
@@ -296,24 +256,53 @@ def test_row_parallel_linear_on_three_ranks_and_an_uneven_split(impl):
     expect_row_parallel(impl, 7, 6, True, 2, 3)
 
 
+@pytest.mark.exercise("RowParallelLinear")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_row_parallel_linear_on_smollm2s_o_proj_and_down_proj(impl, dtype):
+    head_dim = SMOLLM2.head_dim
+    expect_row_parallel(impl, 576, 576, False, 3, 2, dtype, [(0, 3 * head_dim), (3 * head_dim, 9 * head_dim)],
+                        " — SmolLM2's o_proj over 2 ranks: 3 query heads' columns and 6")
+    expect_row_parallel(impl, 1536, 576, True, 2, 2, dtype, why=" — SmolLM2's down_proj, with a bias")
+
+
+@pytest.mark.exercise("RowParallelLinear")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_row_parallel_linear_alone_on_the_device_keeps_its_dtype(impl, dtype):
+    g = torch.Generator().manual_seed(2)
+    layer_weight, bias, x = (torch.randn(*shape, generator=g).to(dtype) for shape in ((6, 10), (6,), (4, 10)))
+    inputs = f"RowParallelLinear(10, 6, bias=True) with no process group (one rank), {dtype} on {DEVICE}"
+    with exercising("RowParallelLinear", inputs):
+        layer = impl.RowParallelLinear(10, 6, bias=True, dtype=dtype, device=DEVICE)
+        with torch.no_grad():
+            layer.weight.copy_(layer_weight)
+            layer.bias.copy_(bias)
+            got = layer(x.to(DEVICE))
+    expect_equal((got.dtype, got.device.type), (dtype, DEVICE.type), inputs=f"{inputs}; the output's dtype and device")
+    tolerance = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)
+    expect_close(got.cpu(), F.linear(x.double(), layer_weight.double(), bias.double()), inputs=inputs, **tolerance)
+
+
 # --- VocabParallelEmbedding ---------------------------------------------------------------------------------------
 
 
-def embedding_case(rank: int, cls: type, vocab: int, dim: int, ids: list[int], world: int):
+def embedding_case(rank: int, cls: type, vocab: int, dim: int, ids: list[int], world: int,
+                   dtype: torch.dtype = torch.float32):
     """Rank `rank`'s rows of one whole embedding table: this rank's output for `ids`, and the whole table's."""
-    table = torch.randn(vocab, dim, generator=torch.Generator().manual_seed(3))
+    table = torch.randn(vocab, dim, generator=torch.Generator().manual_seed(3)).to(dtype)
     vocab_range = layers.split_evenly(vocab, world)[rank]
-    mine = cls(vocab_range, dim)
+    mine = cls(vocab_range, dim, dtype=dtype)
     with torch.no_grad():
         mine.weight.copy_(table[vocab_range[0]:vocab_range[1]])
         return mine(torch.tensor(ids)), F.embedding(torch.tensor(ids), table)
 
 
-def expect_embedding(impl, vocab: int, dim: int, ids: list[int], world: int, why: str) -> None:
-    inputs = (f"VocabParallelEmbedding on {world} ranks: a ({vocab}, {dim}) table split by rows "
+def expect_embedding(impl, vocab: int, dim: int, ids: list[int], world: int, why: str,
+                     dtype: torch.dtype = torch.float32) -> None:
+    inputs = (f"VocabParallelEmbedding on {world} ranks, {dtype}: a ({vocab}, {dim}) table split by rows "
               f"{layers.split_evenly(vocab, world)}; token ids {ids} ({why})")
-    results = run_on_ranks(embedding_case, world, impl.VocabParallelEmbedding, vocab, dim, ids, world)
+    results = run_on_ranks(embedding_case, world, impl.VocabParallelEmbedding, vocab, dim, ids, world, dtype)
     for rank, (got, want) in enumerate(results):
+        expect_equal(got.dtype, dtype, inputs=f"{inputs}; the dtype of rank {rank}'s rows (the table's own)")
         expect_close(got, want, inputs=f"{inputs}; rank {rank}'s output against the whole table's rows", atol=1e-6)
 
 
@@ -333,21 +322,220 @@ def test_vocab_parallel_embedding_on_three_ranks_and_an_uneven_split(impl):
     expect_embedding(impl, 11, 3, [0, 2, 3, 6, 7, 10, 5], 3, "every range's ends")
 
 
-# --- capstone: your partition, slices and layers, SmolLM2 on 2 ranks ------------------------------------------------
+@pytest.mark.exercise("VocabParallelEmbedding")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_vocab_parallel_embedding_on_smollm2s_vocabulary(impl, dtype):
+    ids = [0, 24575, 24576, 49151, 16383, 16384, 32767, 32768, 1]
+    expect_embedding(impl, 49152, 8, ids, 2, "SmolLM2's 49,152 token ids over 2 ranks, each range's ends", dtype)
+    expect_embedding(impl, 49152, 8, ids, 3, "SmolLM2's 49,152 token ids over 3 ranks, each range's ends", dtype)
+
+
+@pytest.mark.exercise("VocabParallelEmbedding")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_vocab_parallel_embedding_alone_on_the_device_gives_its_rows_and_zeros(impl, dtype):
+    table = torch.randn(20, 6, generator=torch.Generator().manual_seed(4)).to(dtype)
+    ids = torch.tensor([0, 7, 8, 12, 13, 19, 9])
+    inputs = (f"VocabParallelEmbedding((8, 13), 6) with no process group (one rank holding token ids 8..12 of 20), "
+              f"{dtype} on {DEVICE}; token ids {ids.tolist()}")
+    with exercising("VocabParallelEmbedding", inputs):
+        layer = impl.VocabParallelEmbedding((8, 13), 6, dtype=dtype, device=DEVICE)
+        with torch.no_grad():
+            layer.weight.copy_(table[8:13])
+            got = layer(ids.to(DEVICE))
+    want = torch.where(((ids >= 8) & (ids < 13))[:, None], table[ids], torch.zeros((), dtype=dtype))
+    expect_equal((got.dtype, got.device.type), (dtype, DEVICE.type), inputs=f"{inputs}; the output's dtype and device")
+    expect_close(got.cpu(), want, inputs=f"{inputs}; its rows for ids 8..12, zeros for the rest", atol=0, rtol=0)
+
+
+# --- the step in lockstep: execute_model_in_lockstep (rank 0) and worker_busy_loop (ranks 1..N-1) -----------------
+
+TINY = "llama-gqa"  # 4 query heads, 2 K/V heads: whole groups over 2 ranks
+TINY_PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13], [40, 41], [100, 3, 77, 8, 9, 10, 11]]
+TINY_GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+TINY_ENGINE = dict(max_model_len=64, max_num_seqs=4, block_size=8, num_kv_blocks=32)
+ENGINE_BOUND_SECONDS = 60.0
+OUT_OF_LOCKSTEP = (
+    "rank 0 and the workers ran different collectives, so one waited for a peer that never came: is the step "
+    "broadcast before rank 0's own forward pass, and does every worker run every step it receives?"
+)
+
+
+@functools.cache
+def one_rank_tokens() -> list[list[int]]:
+    llm = LLM(str(tiny_checkpoint(TINY)), **TINY_ENGINE)
+    return [o.outputs[0].token_ids for o in llm.generate(TINY_PROMPTS, TINY_GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture
+def short_collective_timeout(monkeypatch):
+    """The group's collectives give up after STEP_TIMEOUT_SECONDS, in rank 0 and in the workers forked from it."""
+    monkeypatch.setattr(parallel_state, "COLLECTIVE_TIMEOUT_SECONDS", STEP_TIMEOUT_SECONDS)
+
+
+def require_written(impl, name: str, *args) -> None:
+    """Call the exercise once outside any group: a stub says it is not implemented (inside a forked worker it could
+    only die); a written one fails on the missing group or argument, which is expected here."""
+    try:
+        run_bounded(lambda: getattr(impl, name)(*args), 5, what=f"{name} called outside a process group",
+                    likely="it loops without calling a collective (a collective would raise: there is no group)")
+    except ExerciseError as error:
+        if "not implemented" in str(error):
+            raise
+    except Exception:  # noqa: BLE001 — the written exercise needs a group: that it got this far is all we ask
+        pass
+
+
+def start_ranks(tp: int = 2) -> LLM:
+    """A tensor-parallel LLM on the tiny model whose workers are forked, so they run what `swap_in` put in."""
+    return LLM(str(tiny_checkpoint(TINY)), tensor_parallel_size=tp, worker_multiproc_method="fork", **TINY_ENGINE)
+
+
+def generate_bounded(llm: LLM, what: str) -> list[list[int]]:
+    def run() -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(TINY_PROMPTS, TINY_GREEDY, use_tqdm=False)]
+
+    try:
+        return run_bounded(run, ENGINE_BOUND_SECONDS, what=what, likely=OUT_OF_LOCKSTEP)
+    except AssertionError:  # the bound ran out, or an exercise is not implemented: the message says so
+        raise
+    except Exception as error:  # noqa: BLE001 — any error the caller got is reported with its cause
+        hint = OUT_OF_LOCKSTEP if "Timed out" in str(error) else "a step raised"
+        raise AssertionError(f"{what} raised instead of returning tokens ({hint}):\n  {error}") from error
+
+
+def expect_one_ranks_tokens(impl, name: str, tp: int) -> None:
+    inputs = (f"your {name} in an LLM over {tp} ranks on a tiny Llama (4 query heads, 2 K/V), workers forked; "
+              f"{len(TINY_PROMPTS)} prompts, greedy, {TINY_GREEDY.max_tokens} tokens")
+    want = one_rank_tokens()
+    with swap_in(impl, {name: REFERENCE[name]}):
+        llm = start_ranks(tp)
+        try:
+            got = generate_bounded(llm, f"LLM.generate at tensor_parallel_size={tp} with your {name}")
+        finally:
+            llm.llm_engine.shutdown()
+    expect_equal(got, want, inputs=f"{inputs}; the tokens (oracle: the same engine on one rank)")
+
+
+@pytest.mark.exercise("execute_model_in_lockstep")
+@pytest.mark.usefixtures("short_collective_timeout")
+def test_execute_model_in_lockstep_gives_one_ranks_tokens(impl):
+    require_written(impl, "execute_model_in_lockstep", None, [], None)
+    expect_one_ranks_tokens(impl, "execute_model_in_lockstep", 2)
+
+
+@pytest.mark.exercise("execute_model_in_lockstep")
+@pytest.mark.usefixtures("short_collective_timeout")
+def test_execute_model_in_lockstep_over_four_ranks_with_replicated_kv_heads(impl):
+    require_written(impl, "execute_model_in_lockstep", None, [], None)
+    expect_one_ranks_tokens(impl, "execute_model_in_lockstep", 4)
+
+
+def step_error(llm: LLM, what: str) -> str:
+    """The message of the error the caller gets from `generate` (which must raise, within its bound)."""
+    try:
+        generate_bounded(llm, what)
+    except AssertionError as error:
+        if error.__cause__ is None:  # the bound ran out: generate_bounded's message says which wait and why
+            raise
+        return f"{type(error.__cause__).__name__}: {error.__cause__}"
+    raise AssertionError(f"on input {what}: generate returned tokens instead of raising")
+
+
+def expect_dead_worker_named(llm: LLM, what: str) -> None:
+    """The next step raises a RuntimeError naming tp-worker-1: the caller hears of it, with no hang."""
+    message = step_error(llm, what)
+    if "tp-worker-1" not in message:
+        raise AssertionError(f"on input {what}: the error does not name the dead worker (tp-worker-1), so the "
+                             f"caller cannot tell what broke:\n  {message}")
+
+
+@pytest.mark.exercise("execute_model_in_lockstep")
+@pytest.mark.usefixtures("short_collective_timeout")
+def test_execute_model_in_lockstep_reports_a_dead_worker_by_name(impl):
+    require_written(impl, "execute_model_in_lockstep", None, [], None)
+    with swap_in(impl, {"execute_model_in_lockstep": REFERENCE["execute_model_in_lockstep"]}):
+        llm = start_ranks()
+        try:
+            worker = llm.llm_engine.engine_core.engine_core.model_executor.workers[0]
+            worker.kill()
+            worker.join(timeout=10)
+            expect_dead_worker_named(llm, "LLM.generate at tensor_parallel_size=2 after tp-worker-1 was killed, "
+                                          "with your execute_model_in_lockstep")
+        finally:
+            llm.llm_engine.shutdown()
+
+
+@pytest.mark.exercise("worker_busy_loop")
+@pytest.mark.usefixtures("short_collective_timeout")
+def test_worker_busy_loop_gives_one_ranks_tokens(impl):
+    require_written(impl, "worker_busy_loop", None)
+    expect_one_ranks_tokens(impl, "worker_busy_loop", 2)
+
+
+@pytest.mark.exercise("worker_busy_loop")
+@pytest.mark.usefixtures("short_collective_timeout")
+def test_worker_busy_loop_stops_cleanly_at_shutdown(impl):
+    require_written(impl, "worker_busy_loop", None)
+    with swap_in(impl, {"worker_busy_loop": REFERENCE["worker_busy_loop"]}):
+        llm = start_ranks()
+        workers = llm.llm_engine.engine_core.engine_core.model_executor.workers
+        try:
+            generate_bounded(llm, "LLM.generate at tensor_parallel_size=2 with your worker_busy_loop")
+        finally:
+            llm.llm_engine.shutdown()  # broadcasts None, then waits for the workers (a stuck one is killed)
+    expect_equal([w.exitcode for w in workers], [0], inputs="your worker_busy_loop, then the engine's shutdown, "
+                 "which broadcasts None: each worker's exit code (0: it returned; 1: it raised, as on a broadcast "
+                 "from a group already gone; -9: killed after 10 s of waiting for a step that never comes)")
+
+
+class FailsOnRankOne(ModelRunner):
+    """A real runner whose third step raises on rank 1 only, as a worker that runs out of memory would."""
+
+    def execute_model(self, scheduler_output):
+        self.steps = getattr(self, "steps", 0) + 1  # this runner's own count: each engine builds fresh runners
+        if parallel_state.tp_rank() == 1 and self.steps == 3:
+            raise MemoryError("rank 1 ran out of memory in its third step (injected by the test)")
+        return super().execute_model(scheduler_output)
+
+
+@pytest.mark.exercise("worker_busy_loop")
+@pytest.mark.usefixtures("short_collective_timeout")
+def test_worker_busy_loop_ends_on_a_failing_step_so_rank_zero_hears_at_once(impl, monkeypatch):
+    require_written(impl, "worker_busy_loop", None)
+    monkeypatch.setattr(multiproc_executor, "ModelRunner", FailsOnRankOne)  # the forked worker builds this runner
+    what = ("LLM.generate at tensor_parallel_size=2 with your worker_busy_loop, tp-worker-1's third step raising "
+            "MemoryError")
+    with swap_in(impl, {"worker_busy_loop": REFERENCE["worker_busy_loop"]}):
+        llm = start_ranks()
+        try:
+            message = step_error(llm, what)
+        finally:
+            llm.llm_engine.shutdown()
+    if "Timed out" in message or "tp-worker-1" not in message:
+        raise AssertionError(
+            f"on input {what}: rank 0 should fail at once because the worker ended (its connection closed) and be "
+            f"told that tp-worker-1 died; instead:\n  {message}\n  Likely cause: the worker caught its failing "
+            "step and went back to wait for the next broadcast, leaving rank 0 waiting in the step's all-reduce "
+            f"until the group's {STEP_TIMEOUT_SECONDS:g} s timeout (for ever, with no timeout)")
+
+
+# --- capstone: your partition, layers and lockstep, SmolLM2 on 2 ranks ----------------------------------------------
 
 CAPSTONE_PROMPT_IDS = [0, 1, 2, 3, 5]
 CAPSTONE_TOKENS = 16
 CAPSTONE_ENGINE = dict(block_size=16, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
                        long_prefill_token_threshold=256)
+CAPSTONE_STEP_TIMEOUT_SECONDS = 30.0  # a SmolLM2 step on a busy 2-core machine takes well under this
 
 
 @pytest.mark.exercise("capstone")
 @pytest.mark.timeout(300)  # a real model on 2 ranks: about half a minute on an idle 2-core machine
-def test_capstone_your_layers_on_two_ranks_give_hugging_faces_tokens_on_smollm2(impl):
+def test_capstone_your_pieces_on_two_ranks_give_hugging_faces_tokens_on_smollm2(impl, monkeypatch):
+    monkeypatch.setattr(parallel_state, "COLLECTIVE_TIMEOUT_SECONDS", CAPSTONE_STEP_TIMEOUT_SECONDS)
     prompts = [CAPSTONE_PROMPTS[i] for i in CAPSTONE_PROMPT_IDS]
     inputs = (f"SmolLM2-135M (9 query heads, 3 K/V) at tensor_parallel_size=2, workers forked so they run your code; "
               f"CAPSTONE_PROMPTS{CAPSTONE_PROMPT_IDS} greedy, {CAPSTONE_TOKENS} tokens, one batch")
-    with swap_in(impl, REFERENCE):  # your partition, slices and layers, on every rank
+    with swap_in(impl, REFERENCE):  # your partition, layers and lockstep, on every rank
         engine = LLMEngine.from_engine_args(EngineArgs(
             model="smollm2-135m", tensor_parallel_size=2, worker_multiproc_method="fork", **CAPSTONE_ENGINE,
         ))
@@ -355,7 +543,8 @@ def test_capstone_your_layers_on_two_ranks_give_hugging_faces_tokens_on_smollm2(
             runner = engine.engine_core.engine_core.model_executor.model_runner  # rank 0's
             kv_heads = runner.kv_cache.key_caches[0].shape[2]  # (blocks, block_size, Hkv, D)
             greedy = SamplingParams(temperature=0.0, max_tokens=CAPSTONE_TOKENS, ignore_eos=True)
-            outputs = generate_batch(engine, [(prompt, greedy) for prompt in prompts])
+            outputs = run_bounded(lambda: generate_batch(engine, [(prompt, greedy) for prompt in prompts]), 240,
+                                  what="SmolLM2 generating on 2 ranks with your pieces", likely=OUT_OF_LOCKSTEP)
         finally:
             engine.shutdown()  # its workers: one tensor-parallel engine per process
     expect_equal(kv_heads, 1, inputs=f"{inputs}; K/V heads in rank 0's KV cache (its one K/V group)")

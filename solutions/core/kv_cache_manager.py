@@ -140,9 +140,11 @@ class KVCacheManager(BlockManager):
 
         Never covers the last token: the forward pass must compute at least one token, to produce the logits
         the next token is sampled from — so a prompt of exactly k full blocks can hit at most k - 1 of them.
-        Counts the lookup in `prefix_cache_stats`; changes no block (`allocate_slots` touches the hits).
+        Counts the lookup in `prefix_cache_stats`; changes no block (`allocate_slots` touches the hits). A sequence
+        that must compute its whole prompt (`seq.skip_reading_prefix_cache`: it wants the prompt's logprobs) finds
+        nothing and is not counted, as in vLLM.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.skip_reading_prefix_cache:
             return [], 0
         extend_block_hashes(seq.block_hashes, seq.token_ids, seq.num_tokens, self.block_size)
         max_blocks = (seq.num_tokens - 1) // self.block_size  # full blocks strictly before the last token

@@ -114,6 +114,11 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """Whether the prefix cache must not be read for it (a request that wants its prompt's logprobs)."""
+        return self.sampling_params is not None and self.sampling_params.skip_reading_prefix_cache
+
     def append_token(self, token_id: int) -> None:
         """Record a sampled token. Its K/V are not in the cache yet: the next step computes them, after the
         block manager has made room."""

@@ -12,10 +12,12 @@ blocks (one block table serves every rank).
 
 Heads are dealt by K/V groups, so a query head always sits with its K/V head. With more K/V heads than ranks,
 each rank gets a run of whole groups, as evenly as they divide (SmolLM2's 3 K/V heads over 2 ranks: 1 group
-and 2, that is 3 query heads and 6); vLLM requires an even split and refuses such a model instead. With fewer
-K/V heads than ranks, each K/V head is replicated on `tp_size / num_kv_heads` ranks and its query heads are split
-among them, as vLLM does. The vocabulary is split into contiguous ranges: the embedding sums its ranks' rows
-(each rank contributes the tokens in its range, zeros for the rest), the LM head gathers its ranks' logits.
+and 2, that is 3 query heads and 6); vLLM requires an even split and refuses such a model instead (first in
+`ModelConfig.verify_with_parallel_config`). With fewer K/V heads than ranks, each K/V head is replicated on
+`tp_size / num_kv_heads` ranks and its query heads are split among them, as vLLM does; a rank count for which
+neither works is refused, naming `tensor_parallel_size` and the values that work. The vocabulary is split into
+contiguous ranges: the embedding sums its ranks' rows (each rank contributes the tokens in its range, zeros for the
+rest), the LM head gathers its ranks' logits.
 
 Where this lives in vLLM: `vllm/model_executor/layers/linear.py` (`ColumnParallelLinear`, `QKVParallelLinear`,
 `RowParallelLinear`) and `vllm/model_executor/layers/vocab_parallel_embedding.py`.
@@ -38,6 +40,13 @@ def split_evenly(total: int, parts: int) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:]))
 
 
+def allowed_tensor_parallel_sizes(config: ModelConfig) -> list[int]:
+    """The rank counts `partition` accepts: up to one per K/V head (whole groups, as evenly as they go), or each
+    K/V head replicated on a number of ranks that divides its group of query heads."""
+    kv, group = config.num_key_value_heads, config.num_queries_per_kv
+    return list(range(1, kv + 1)) + [kv * r for r in range(2, group + 1) if group % r == 0]
+
+
 @dataclasses.dataclass(frozen=True)
 class Partition:
     """What one rank holds: [start, end) of the query heads, K/V heads, MLP hidden units and vocabulary."""
@@ -57,9 +66,9 @@ def partition(config: ModelConfig, tp_size: int) -> list[Partition]:
     else:
         if tp_size % kv or group % (tp_size // kv):
             raise ValueError(
-                f"tensor_parallel_size={tp_size} cannot split {config.num_attention_heads} query heads over "
-                f"{kv} K/V heads: with fewer K/V heads than ranks, it must be a multiple of {kv} that divides "
-                f"each K/V head's {group} query heads"
+                f"tensor_parallel_size={tp_size} cannot split {config.num_attention_heads} query heads in {kv} K/V "
+                f"groups of {group}: above {kv} ranks each K/V head is replicated, so tensor_parallel_size must be "
+                f"{kv} times a divisor of {group}; allowed values: {allowed_tensor_parallel_sizes(config)}"
             )
         replicas = tp_size // kv
         kv_ranges = [(r // replicas, r // replicas + 1) for r in range(tp_size)]
@@ -86,8 +95,9 @@ class VocabParallelEmbedding(nn.Embedding):
     """The embedding rows of the token ids in [start, end); a token outside the range embeds as zeros here, and
     the all-reduce takes each token's row from the rank that holds it."""
 
-    def __init__(self, vocab_range: tuple[int, int], embedding_dim: int) -> None:
-        super().__init__(vocab_range[1] - vocab_range[0], embedding_dim)
+    def __init__(self, vocab_range: tuple[int, int], embedding_dim: int, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__(vocab_range[1] - vocab_range[0], embedding_dim, dtype=dtype, device=device)
         self.vocab_start, self.vocab_end = vocab_range
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,10 @@ slices: an all-reduce sums the partial outputs of a row-parallel layer, and an a
 the vocabulary's slices. A third, a broadcast of a Python object, carries each step's `SchedulerOutput` from
 rank 0 (the engine) to the others. gloo runs them on the CPU, NCCL on GPUs (one GPU per rank).
 
-A collective waits for every rank. So a rank that dies would leave the others waiting forever: the group is
-made with a timeout, and a collective that does not complete within it raises instead of hanging.
+A gloo collective returns once every rank has called it. (An NCCL call on GPUs returns once the operation is
+queued on the device; the wait happens there, and shows when the result is used.) So a rank that dies would leave
+the others waiting forever: the group is made with a timeout (`COLLECTIVE_TIMEOUT_SECONDS`, read when the group is
+made, so a test may shorten it), and a collective that does not complete within it raises instead of hanging.
 
 Where this lives in vLLM: `vllm/distributed/parallel_state.py` (`init_distributed_environment`,
 `GroupCoordinator`) and `vllm/distributed/communication_op.py` (`tensor_model_parallel_all_reduce`, ...).

@@ -6,16 +6,19 @@
     llm.shutdown()
 
 The pieces, and the path of one request:
-1. `generate` validates and tokenises in this process with a `Processor` (the one place a request is checked),
-   so a bad request raises ValueError at the generator's first `__anext__` and never reaches the core;
-2. it registers the request with the `OutputProcessor` and a `RequestOutputCollector`, sends the request to the
-   core (`EngineCoreClient`: a process or a thread) and waits on the collector;
+1. `generate` (this module's function, which `AsyncLLM.generate` calls) asks `add_request` to validate and
+   tokenise in this process with a `Processor` (the one place a request is checked), so a bad request raises
+   ValueError at the generator's first `__anext__` and never reaches the core;
+2. `add_request` registers the request with the `OutputProcessor` and a `RequestOutputCollector` and sends it to
+   the core (`EngineCoreClient`: a process or a thread); `generate` waits on the collector;
 3. one output thread reads the core's messages, one per step (token ids only), turns them into `RequestOutput`s
    with the output processor (detokenising, stop strings: a request a stop string ends is aborted in the core),
    feeds the stat loggers, and hands each output to its request's collector on that request's event loop
    (`loop.call_soon_threadsafe`): the thread never touches an event loop's objects directly, and no event loop
-   ever waits on the core;
-4. the caller's `async for` wakes, gets the output, and ends after the one with `finished=True`.
+   ever waits on the core. (vLLM reads the core's messages in an asyncio task on the server's event loop,
+   `output_handler`, its sockets being asyncio-aware; our `multiprocessing` queues block, hence a thread.)
+4. the caller's `async for` wakes, gets the output, and ends after the one with `finished=True`; the output
+   thread has already dropped a finished request, so its id is free again.
 
 Backpressure: a collector holds one pending output. If the engine steps faster than a caller reads, the new
 DELTA output is merged into the pending one (texts and tokens concatenated), so a slow reader gets fewer, larger
@@ -152,7 +155,7 @@ class AsyncLLM:
 
     # --- the callers' side (any event loop) ----------------------------------------------------------------------
 
-    async def generate(
+    def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's DELTA outputs, ending after the one with `finished=True`.
@@ -160,42 +163,39 @@ class AsyncLLM:
         ValueError (nothing queued) for a bad request or a request_id still in use; EngineDeadError if the core
         is dead or dies meanwhile. Closing or cancelling the iterator early aborts the request in the core.
         """
+        return generate(self, prompt, params, request_id, priority)  # the module's, looked up when called
+
+    async def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
+    ) -> RequestOutputCollector:
+        """Validate and tokenise the request, register it, send it to the core; the collector its outputs will
+        reach. ValueError (nothing registered, nothing sent) for a bad request or an id still in use;
+        EngineDeadError if the core has stopped."""
         arrival_time = time.monotonic()
         self.raise_if_dead()
         prompt_text, request = self.processor.process_inputs(request_id, prompt, params, priority)
         self.output_processor.add_request(prompt_text, request)  # ValueError if the id is still in use
+        collector = RequestOutputCollector(asyncio.get_running_loop())
         live = _LiveRequest(
-            request_id, prompt_text, request.prompt_token_ids, params.n,
-            RequestOutputCollector(asyncio.get_running_loop()), RequestStateStats(arrival_time),
+            request_id, prompt_text, request.prompt_token_ids, params.n, collector, RequestStateStats(arrival_time)
         )
         self._requests[request_id] = live
-        finished = False
-        try:
-            self.raise_if_dead()  # again, now registered: a death from here on reaches this collector
-            self.engine_core.add_request(request)
-            while not finished:
-                output = await live.collector.get()
-                finished = output.finished
-                yield output
-        finally:
-            if self._requests.get(request_id) is live:
-                del self._requests[request_id]
-            if not finished:
-                self.output_processor.abort_requests([request_id])
-                if self._dead_reason is None:
-                    self.engine_core.abort_requests([request_id])
+        if self._dead_reason is not None:  # the core died between the check above and the registration
+            self._forget(live)
+            self.raise_if_dead()
+        self.engine_core.add_request(request)
+        return collector
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request from outside its `generate` (which then ends with a `finish_reason="abort"` output);
-        an unknown or finished request_id is ignored."""
-        live = self._requests.pop(request_id, None)
+        """Abort a request (its `generate` then ends with a `finish_reason="abort"` output); an unknown or
+        finished request_id is ignored, and nothing is sent to a core that has stopped."""
+        live = self._requests.get(request_id)
         if live is None:
             return
-        self.output_processor.abort_requests([request_id])
-        self.engine_core.abort_requests([request_id])
+        self._forget(live)
         samples = [CompletionOutput(i, "", [], FinishReason.ABORT) for i in range(live.num_samples)]
         aborted = RequestOutput(request_id, live.prompt, live.prompt_token_ids, samples, finished=True)
-        live.collector.loop.call_soon_threadsafe(live.collector.put, aborted)
+        self._deliver(live, live.collector.put, aborted)
 
     async def check_health(self) -> None:
         """Raise EngineDeadError if the engine core has stopped."""
@@ -239,9 +239,12 @@ class AsyncLLM:
             if live is None:
                 continue  # its caller left; the abort is on its way to the core
             iteration.update_from_output(output, live.stats, now)
+            if output.finished:  # its id is free again once its caller can see the last output
+                self._requests.pop(output.request_id, None)
             delivered.append((live, live.collector.put, output))
         for request_id, reason in message.errors.items():
-            if (live := self._requests.get(request_id)) is not None:
+            if (live := self._requests.pop(request_id, None)) is not None:
+                self.output_processor.abort_requests([request_id])
                 delivered.append((live, live.collector.put_error, ValueError(reason)))
         for logger in self.stat_loggers:  # first, so a caller that sees step k's output sees step k's gauges
             logger.record(message.scheduler_stats, iteration)
@@ -252,10 +255,17 @@ class AsyncLLM:
         try:
             live.collector.loop.call_soon_threadsafe(put, item)
         except RuntimeError:  # the caller's event loop is closed: nobody will read this request again
-            if self._requests.get(live.request_id) is live:
-                del self._requests[live.request_id]
-                self.output_processor.abort_requests([live.request_id])
-                self.engine_core.abort_requests([live.request_id])
+            self._forget(live)
+
+    def _forget(self, live: _LiveRequest) -> None:
+        """Drop a request that has not finished: from the registry, the output processor and (if it still runs)
+        the core, which frees its blocks before its next step."""
+        if self._requests.get(live.request_id) is not live:
+            return  # already finished or forgotten
+        self._requests.pop(live.request_id, None)
+        self.output_processor.abort_requests([live.request_id])
+        if self._dead_reason is None:
+            self.engine_core.abort_requests([live.request_id])
 
     def _fail_all(self, reason: str) -> None:
         """The core is gone: every waiting caller raises EngineDeadError, and so will every later call."""
@@ -289,3 +299,20 @@ class AsyncLLM:
 
     async def __aexit__(self, *exc_info: object) -> None:
         self.shutdown()
+
+
+async def generate(
+    llm: AsyncLLM, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0
+) -> AsyncIterator[RequestOutput]:
+    """`AsyncLLM.generate`: submit the request, yield what its collector hands out until the finished output, and
+    abort it if the caller leaves before that (closes the iterator, or its task is cancelled)."""
+    collector = await llm.add_request(request_id, prompt, params, priority)  # raises: nothing to undo
+    finished = False
+    try:
+        while not finished:
+            output = await collector.get()  # EngineDeadError once the core has stopped
+            finished = output.finished
+            yield output
+    finally:
+        if not finished:  # closed or cancelled early, or an error ended the stream: free its blocks
+            await llm.abort(request_id)

@@ -6,6 +6,9 @@ the new token is wrong, because a byte-level BPE token may hold part of a UTF-8 
 tokens: text is decoded from `prefix_offset` (a few tokens of context) both up to `read_offset` and to the end,
 and the difference is the new text — emitted only once it no longer ends in a partial character.
 
+Prompt logprobs arrive a chunk at a time (one per prefill step) and are put together here; each token's entry
+holds the top tokens and the actual prompt token, and the first prompt token's is None (nothing predicts it).
+
 Stop strings are searched in the new text only (plus the last `len(stop) - 1` characters before it, where a stop
 string may have started), and the text is cut where the stop string begins. The engine core never sees text, so a
 request that a stop string finishes is handed back to be aborted there (`reqs_to_abort`). vLLM gives each sample
@@ -96,6 +99,11 @@ class RequestState:
                 completion.logprobs, completion.cumulative_logprob = [], 0.0
         self.num_cached_tokens = 0
         self.stopped_by_string = False  # the core does not know: it must be told to abort
+        # per prompt token, filled a chunk at a time; None unless asked for
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            None if self.params.prompt_logprobs is None else [None]
+        )
+        self.prompt_logprobs_sent = False  # a DELTA request gets them once, in its first output
 
     @property
     def finished(self) -> bool:
@@ -106,6 +114,14 @@ class RequestState:
         completion = self.completions[output.index]
         if output.num_cached_tokens is not None:
             self.num_cached_tokens = output.num_cached_tokens
+        if output.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
+            position, entries = output.new_prompt_logprobs
+            token_ids = self.prompt_token_ids[position : position + len(entries)]
+            # from `position` on: a prompt whose prefill was preempted and started over sends its chunks again
+            self.prompt_logprobs[position:] = [
+                self._logprob_entry(token_id, top, chosen)
+                for token_id, (top, chosen) in zip(token_ids, entries, strict=True)
+            ]
         if completion.finish_reason is not None:
             return  # a stop string ended it; the core ran on until the whole request was done
         for i, token_id in enumerate(output.new_token_ids):
@@ -126,17 +142,24 @@ class RequestState:
         new_text = completion.detokenizer.update([token_id])
         completion.text += new_text
         if completion.logprobs is not None:
-            logprob, rank = sampled_logprob
-            entry = {t: Logprob(lp, r + 1, self._decode(t)) for r, (t, lp) in enumerate(top_logprobs or [])}
-            entry.setdefault(token_id, Logprob(logprob, rank, self._decode(token_id)))
-            completion.logprobs.append(entry)
-            completion.cumulative_logprob += logprob
+            completion.logprobs.append(self._logprob_entry(token_id, top_logprobs, sampled_logprob))
+            completion.cumulative_logprob += sampled_logprob[0]
         stop = self.params.stop
+        if len(completion.token_ids) <= self.params.min_tokens:
+            return None  # no stop string before min_tokens, as vLLM
         if stop and new_text and (hit := check_stop_strings(completion.text, len(new_text), stop)):
             stop_string, position = hit
             completion.text = completion.text[:position]
             return stop_string
         return None
+
+    def _logprob_entry(
+        self, token_id: int, top_logprobs: list[tuple[int, float]] | None, chosen: tuple[float, int]
+    ) -> dict[int, Logprob]:
+        """One position's logprobs: the top tokens (ranks 1, 2, ...), then `token_id`'s (its logprob, rank)."""
+        entry = {t: Logprob(lp, r + 1, self._decode(t)) for r, (t, lp) in enumerate(top_logprobs or [])}
+        entry.setdefault(token_id, Logprob(chosen[0], chosen[1], self._decode(token_id)))
+        return entry
 
     def _decode(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
@@ -171,8 +194,13 @@ class RequestState:
             c.finish_sent = c.finish_reason is not None
         if not outputs:
             return None
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is not None and not final_only:
+            prompt_logprobs = [] if self.prompt_logprobs_sent else prompt_logprobs
+            self.prompt_logprobs_sent = True
         return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished, self.num_cached_tokens
+            self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished, self.num_cached_tokens,
+            prompt_logprobs,
         )
 
 

@@ -1,16 +1,24 @@
 """The processor: raw input in, a validated engine-core request out — or a ValueError and nothing changed.
 
 Everything a caller can get wrong is checked here, once, in the front end, before the request touches a queue:
-the request id, the prompt (a string is tokenised; token ids must be in the vocabulary; not empty; shorter than
-`max_model_len`), the sampling parameters (their own `__post_init__` checked the values; here what depends on the
-engine, and a structured-output constraint is validated against the vocabulary), the priority. So a bad request
-raises `ParameterError` (a ValueError naming the field) and never disturbs the requests already in flight; the
-engine core trusts what it is sent.
+the request id, the prompt (a string is tokenised, unless it is too long to fit whatever its tokens; token ids
+must be in the vocabulary; not empty; shorter than `max_model_len`), the sampling parameters (their own
+`__post_init__` checked the values; here what depends on the engine, and a structured-output constraint is
+validated against the vocabulary), the priority. So a bad request raises `ParameterError` (a ValueError naming
+the field) and never disturbs the requests already in flight; the engine core trusts what it is sent.
+
+A string too long to fit is refused before it is tokenised: no token of the vocabulary spans more than
+`max_token_chars` characters of text (81 for SmolLM2: a newline and 80 spaces), so a text of C characters has at
+least ceil(C / max_token_chars) tokens. Tokenising costs about half a second per megabyte; without this bound a
+10 MB prompt would take seconds to be told it does not fit in a context of 512 tokens. (The bound assumes the
+tokenizer's normaliser does not shrink the text, true of byte-level BPE and SentencePiece; the exact count after
+tokenising is checked either way.)
 
 Where this lives in vLLM: `vllm/v1/engine/processor.py` (`Processor.process_inputs`).
 """
 
 import functools
+import math
 
 from transformers import PreTrainedTokenizerBase
 
@@ -52,6 +60,27 @@ class Processor:
         self._validate_params(request_id, params)
         return text, EngineCoreRequest(request_id, token_ids, params, priority)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for: its vocabulary entry's length (byte-level BPE
+        writes each byte as one character, SentencePiece each character as itself; added tokens are their text)."""
+        return max(map(len, self.tokenizer.convert_ids_to_tokens(range(len(self.tokenizer)))))
+
+    def tokenize(self, text: str) -> list[int]:
+        """`text` as token ids, as `LLM.generate` tokenises it; ParameterError("prompt") without tokenising if it
+        is so long that it has at least `max_model_len` tokens whatever they are. (The server calls this off its
+        event loop: tokenising a long text takes a while.)"""
+        if self.tokenizer is None:
+            raise ParameterError("prompt must be a list of token ids: this model folder has no tokenizer", "prompt")
+        min_tokens = math.ceil(len(text) / self.max_token_chars)
+        if min_tokens >= self.max_model_len:
+            raise ParameterError(
+                f"prompt has at least {min_tokens} tokens ({len(text)} characters, and no token of this tokenizer "
+                f"spans more than {self.max_token_chars}); it must be shorter than max_model_len={self.max_model_len}",
+                "prompt",
+            )
+        return self.tokenizer.encode(text)
+
     def _validate_priority(self, priority: object) -> None:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ParameterError(f"priority must be an int (lower runs first), got {priority!r}", "priority")
@@ -60,9 +89,7 @@ class Processor:
 
     def _tokenize(self, request_id: str, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ParameterError("prompt must be a list of token ids: this model folder has no tokenizer", "prompt")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenize(prompt)
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)
         raise ParameterError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt")
@@ -72,14 +99,14 @@ class Processor:
             raise ParameterError(
                 f"prompt of request {request_id!r} is empty: it must hold at least one token", "prompt"
             )
-        if (bad := next((t for t in token_ids if not 0 <= t < self.vocab_size), None)) is not None:
-            raise ParameterError(
-                f"prompt_token_ids of request {request_id!r} must lie in [0, {self.vocab_size}), found {bad}", "prompt"
-            )
-        if len(token_ids) >= self.max_model_len:
+        if len(token_ids) >= self.max_model_len:  # before the scan below: a huge prompt is refused at once
             raise ParameterError(
                 f"prompt of request {request_id!r} has {len(token_ids)} tokens; it must be shorter than "
                 f"max_model_len={self.max_model_len}", "prompt",
+            )
+        if (bad := next((t for t in token_ids if not 0 <= t < self.vocab_size), None)) is not None:
+            raise ParameterError(
+                f"prompt_token_ids of request {request_id!r} must lie in [0, {self.vocab_size}), found {bad}", "prompt"
             )
         cache_config = self.vllm_config.cache_config
         num_blocks_needed = cdiv(min(len(token_ids) + params.max_tokens, self.max_model_len), cache_config.block_size)
@@ -90,6 +117,8 @@ class Processor:
             )
 
     def _validate_params(self, request_id: str, params: SamplingParams) -> None:
+        params.update_from_tokenizer(self.tokenizer)  # bad_words as token ids
+        params.verify_token_ids(self.vocab_size)  # logit_bias, allowed_token_ids, bad_words
         max_num_seqs = self.vllm_config.scheduler_config.max_num_seqs
         if params.n > max_num_seqs:
             raise ParameterError(

@@ -7,7 +7,8 @@ the same on every rank, because every rank's KV cache has the same blocks, each 
 step, `execute_model` broadcasts the step's `SchedulerOutput` to the workers, and every rank runs the same
 forward pass on its slice of the weights (`solutions/distributed/layers.py`); the collectives inside the model
 keep them in step, and the logits come out whole on every rank. Rank 0's runner samples (`sample_tokens`); the
-others wait for the next broadcast. A broadcast of `None` stops them.
+others wait for the next broadcast. A broadcast of `None` stops them. Rank 0's side of a step is
+`execute_model_in_lockstep`, a worker's is `worker_busy_loop` (chapter 9's exercises).
 
 The workers are started with "spawn" by default (a fresh interpreter, as the engine core's process in chapter 7):
 each loads the checkpoint itself, then keeps its slice, and runs the code `solutions/` holds on disk. With "fork"
@@ -17,12 +18,15 @@ GNU OpenMP's thread pool does not survive a fork, and a forked child that starts
 parent used one hangs (measured here). Otherwise the ranks share the cores: each runs torch with
 `cpu_count // tensor_parallel_size` threads. On GPUs each rank has its own (rank r on cuda:r), NCCL carries the
 collectives, workers must be spawned (CUDA does not survive a fork), and steps run eagerly. A worker that dies
-shows up at the next collective: gloo raises when its peer's connection closes, or after the group's timeout, and
-`execute_model` reports which rank is gone.
+is refused before the next step is sent; one that dies during a step shows up at the step's next collective: gloo
+raises when its peer's connection closes, or after the group's timeout (`COLLECTIVE_TIMEOUT_SECONDS`), and
+`execute_model` reports which rank is gone. (With NCCL a collective call returns once it is queued on the GPU; a
+missing peer shows up when the result is waited for, or at NCCL's own watchdog timeout.)
 
 Where this lives in vLLM: `vllm/v1/executor/multiproc_executor.py` (`MultiprocExecutor`, `WorkerProc`), which
-sends the `SchedulerOutput` through a shared-memory message queue rather than a gloo broadcast; the start method
-is its `VLLM_WORKER_MULTIPROC_METHOD`.
+sends the `SchedulerOutput` through a shared-memory message queue rather than a gloo broadcast, and where every
+worker runs the sampler on the all-gathered logits (the driver's result is returned); the start method is its
+`VLLM_WORKER_MULTIPROC_METHOD`, whose default is "fork" (ours is "spawn").
 """
 
 import multiprocessing
@@ -34,6 +38,7 @@ import torch.distributed as dist
 
 from solutions.config import VllmConfig
 from solutions.core.sched.output import SchedulerOutput
+from solutions.distributed import parallel_state
 from solutions.distributed.layers import shard_model
 from solutions.distributed.parallel_state import (
     broadcast_object,
@@ -62,15 +67,45 @@ def run_worker(
     if device.type == "cuda":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-    init_tensor_parallel(rank, tp_size, init_method, device=device.type)
+    init_tensor_parallel(rank, tp_size, init_method, parallel_state.COLLECTIVE_TIMEOUT_SECONDS, device=device.type)
     try:
         if full_model is None:
             full_model = load_model(vllm_config.model_config.model, device=device, dtype=vllm_config.model_config.dtype)
         runner = ModelRunner.from_config(shard_model(full_model, rank, tp_size), vllm_config, **eager_on_gpu(device))
-        while (scheduler_output := broadcast_object()) is not None:
-            runner.execute_model(scheduler_output)
+        worker_busy_loop(runner)
     finally:
         destroy_tensor_parallel()
+
+
+def worker_busy_loop(runner: ModelRunner) -> None:
+    """A worker's life after start-up: receive each step rank 0 broadcasts and run its forward pass on this rank's
+    slice (its collectives meet rank 0's); return at the broadcast of `None`. A step that raises is not caught: the
+    worker ends, its connections close, and rank 0's next collective fails instead of waiting for it."""
+    while (scheduler_output := broadcast_object()) is not None:
+        runner.execute_model(scheduler_output)  # the logits are rank 0's to sample; this rank's copy is dropped
+
+
+def execute_model_in_lockstep(
+    model_runner: ModelRunner, workers: list[multiprocessing.process.BaseProcess], scheduler_output: SchedulerOutput
+) -> torch.Tensor:
+    """Rank 0's side of one step: refuse at once if a worker has died (a broadcast to it could wait for ever), send
+    the step to every worker, then run rank 0's own forward pass, whose collectives the workers join; the logits
+    (B, V). A collective that fails (a peer closed its connection or timed out) is re-raised naming the dead
+    workers, so the engine core reports it rather than waiting."""
+    dead = [worker.name for worker in workers if not worker.is_alive()]
+    if dead:
+        raise RuntimeError(f"tensor-parallel workers {dead} have died; this engine cannot run another step")
+    try:
+        broadcast_object(scheduler_output)
+        return model_runner.execute_model(scheduler_output)
+    except RuntimeError as error:  # a peer closed its connection (it died), or a collective timed out
+        for worker in workers:
+            worker.join(timeout=1)  # a worker whose step failed may still be exiting when its connection closes
+        dead = [worker.name for worker in workers if not worker.is_alive()]
+        raise RuntimeError(
+            f"a tensor-parallel step failed (dead workers: {dead or 'none'}; with none dead, a rank is stuck or the "
+            f"ranks ran different collectives): {error}"
+        ) from error
 
 
 class MultiprocExecutor(Executor):
@@ -102,7 +137,9 @@ class MultiprocExecutor(Executor):
         torch.set_num_threads(_threads_per_rank(tp_size))  # given back at shutdown
         self._finalizer = weakref.finalize(self, _shut_down, self.workers, threads)
         try:
-            init_tensor_parallel(0, tp_size, init_method, device=device.type)  # returns once every worker has joined
+            init_tensor_parallel(  # returns once every worker has joined
+                0, tp_size, init_method, parallel_state.COLLECTIVE_TIMEOUT_SECONDS, device=device.type
+            )
             self.model_runner = ModelRunner.from_config(
                 shard_model(full_model, 0, tp_size), vllm_config, **eager_on_gpu(device)
             )
@@ -111,15 +148,7 @@ class MultiprocExecutor(Executor):
             raise
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
-        dead = [worker.name for worker in self.workers if not worker.is_alive()]
-        if dead:
-            raise RuntimeError(f"tensor-parallel workers {dead} have died; this engine cannot run another step")
-        try:
-            broadcast_object(scheduler_output)
-            return self.model_runner.execute_model(scheduler_output)
-        except RuntimeError as error:  # a collective failed: a peer closed its connection or timed out
-            dead = [worker.name for worker in self.workers if not worker.is_alive()]
-            raise RuntimeError(f"a tensor-parallel step failed (dead workers: {dead or 'none'}): {error}") from error
+        return execute_model_in_lockstep(self.model_runner, self.workers, scheduler_output)
 
     def shutdown(self) -> None:
         self._finalizer()

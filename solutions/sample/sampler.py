@@ -13,14 +13,22 @@ The logits may live on a GPU: the filters and the draw run there, on the logits'
 the host (one scalar draw per sampled row, then one copy of the batch's uniforms to the device), so a seeded
 request draws the same numbers on the CPU and on a GPU.
 
-Where this lives in vLLM: `vllm/v1/sample/sampler.py`, `vllm/v1/sample/ops/topk_topp_sampler.py` (and min-p in
-`vllm/v1/sample/logits_processor/`).
+Before any of that, as vLLM does, the raw logits are processed for every row, greedy ones included: one additive
+bias (B, V) holds `allowed_token_ids` (-inf elsewhere), `logit_bias`, `min_tokens` (-inf on EOS and the stop
+token ids until the row has that many output tokens) and `bad_words` (-inf on a word's last token where the output
+ends with the rest of it); then the repetition, presence and frequency penalties
+(`ops/penalties.py`). Each is built only in a step where some row uses it, and is exact for the rows that do not,
+so a plain step does no extra work and a seeded row samples the same in any batch. Logprobs are the raw model's.
+
+Where this lives in vLLM: `vllm/v1/sample/sampler.py`, `vllm/v1/sample/ops/topk_topp_sampler.py`,
+`vllm/v1/sample/ops/penalties.py` (and min-p, min_tokens, logit_bias in `vllm/v1/sample/logits_processor/`).
 """
 
 from dataclasses import dataclass
 
 import torch
 
+from solutions.sample.ops.penalties import apply_penalties
 from solutions.sampling_params import SamplingParams
 
 
@@ -68,6 +76,66 @@ def apply_top_k_top_p_min_p(
     return apply_min_p(apply_top_p(apply_top_k(logits, top_k), top_p), min_p)
 
 
+def apply_logit_bias(
+    logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]], num_prompt_tokens: list[int],
+    eos_token_id: int | None,
+) -> torch.Tensor:
+    """`allowed_token_ids`, `logit_bias`, `min_tokens` and `bad_words` of every row, as one bias (B, V) added to the
+    logits (-inf bans a token)."""
+    bias = torch.zeros_like(logits)  # (B, V)
+    for b, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            bias[b] = float("-inf")
+            bias[b, p.allowed_token_ids] = 0.0
+        if p.logit_bias:
+            bias[b, list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
+        if len(token_ids[b]) - num_prompt_tokens[b] < p.min_tokens:  # EOS and the stop tokens may not end it yet
+            stop_ids = p.stop_token_ids + ([eos_token_id] if eos_token_id is not None and not p.ignore_eos else [])
+            bias[b, stop_ids] = float("-inf")
+        num_output_tokens = len(token_ids[b]) - num_prompt_tokens[b]
+        for *prefix, last in p._bad_words_token_ids:  # banned where the output ends with the word's other tokens
+            if len(prefix) <= num_output_tokens and token_ids[b][len(token_ids[b]) - len(prefix) :] == prefix:
+                bias[b, last] = float("-inf")
+    return logits + bias
+
+
+def penalize(
+    logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]], num_prompt_tokens: list[int]
+) -> torch.Tensor:
+    """`apply_penalties` over every row: each row's prompt and output token ids padded to (B, L) with V. A row
+    without penalties gets no tokens (its penalties are neutral: counting its tokens would change nothing)."""
+    device, vocab_size = logits.device, logits.shape[1]
+
+    def padded(rows: list[list[int]]) -> torch.Tensor:
+        width = max(map(len, rows), default=0)
+        return torch.tensor([row + [vocab_size] * (width - len(row)) for row in rows], dtype=torch.long, device=device)
+
+    used = [p.has_penalties for p in params]
+    prompts = [ids[:n] if u else [] for ids, n, u in zip(token_ids, num_prompt_tokens, used, strict=True)]
+    outputs = [ids[n:] if u else [] for ids, n, u in zip(token_ids, num_prompt_tokens, used, strict=True)]
+    return apply_penalties(
+        logits, padded(prompts), padded(outputs),
+        torch.tensor([float(p.presence_penalty) for p in params], device=device),
+        torch.tensor([float(p.frequency_penalty) for p in params], device=device),
+        torch.tensor([float(p.repetition_penalty) for p in params], device=device),
+    )
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: list[int], num_logprobs: list[int]
+) -> list[tuple[list[tuple[int, float]], tuple[float, int]]]:
+    """Per row of log-probabilities (N, V): its `num_logprobs` most likely (token, logprob), and the (logprob, rank
+    among all tokens) of `token_ids[row]` (the sampled token, or the prompt's actual next token)."""
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logprobs.device)[:, None])  # (N, 1)
+    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()  # (N,)
+    top = torch.topk(logprobs, max(num_logprobs, default=0), dim=1)  # (N, k) for the largest k asked
+    top_ids, top_values = top.indices.tolist(), top.values.tolist()
+    return [
+        (list(zip(top_ids[i][:k], top_values[i][:k], strict=True)), (value, ranks[i]))
+        for i, (k, value) in enumerate(zip(num_logprobs, chosen[:, 0].tolist(), strict=True))
+    ]
+
+
 @dataclass
 class SamplerOutput:
     sampled_token_ids: list[int]  # one per row
@@ -75,11 +143,24 @@ class SamplerOutput:
     sampled_logprobs: list[tuple[float, int]]  # per row: the sampled token's (logprob, rank among all tokens)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> SamplerOutput:
-    """One next token per row of `logits` (B, V), row b drawn with params[b] and generators[b]."""
-    logits = logits.float()
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+    token_ids: list[list[int]] | None = None, num_prompt_tokens: list[int] | None = None,
+    eos_token_id: int | None = None,
+) -> SamplerOutput:
+    """One next token per row of `logits` (B, V), row b drawn with params[b] and generators[b].
+
+    `token_ids[b]` (the row's prompt then its output tokens, the first `num_prompt_tokens[b]` the prompt) and the
+    model's `eos_token_id` are needed only when a row has penalties or `min_tokens`."""
+    raw = logits = logits.float()
     device = logits.device
-    token_ids = logits.argmax(dim=-1)  # (B,) the greedy choice; sampled rows overwrite theirs
+    if any(p.has_logit_bias or p.has_penalties for p in params) and (token_ids is None or num_prompt_tokens is None):
+        raise ValueError("penalties, min_tokens, logit_bias and allowed_token_ids need token_ids and num_prompt_tokens")
+    if any(p.has_logit_bias for p in params):
+        logits = apply_logit_bias(logits, params, token_ids, num_prompt_tokens, eos_token_id)
+    if any(p.has_penalties for p in params):
+        logits = penalize(logits, params, token_ids, num_prompt_tokens)
+    next_ids = logits.argmax(dim=-1)  # (B,) the greedy choice; sampled rows overwrite theirs
     sampled = [b for b, p in enumerate(params) if not p.greedy]
     if sampled:
         temperature = torch.tensor([params[b].temperature for b in sampled], device=device)  # (Bs,)
@@ -93,18 +174,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         uniform = torch.stack([torch.rand((), generator=generators[b]) for b in sampled]).to(device)  # (Bs,) host draws
         cdf = probs.cumsum(dim=-1)  # (Bs, V)
         choice = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).squeeze(1)  # (Bs,)
-        token_ids[sampled] = choice.clamp(max=vocab_size - 1)  # guard the float edge u * total == total
-    token_list = token_ids.tolist()
+        next_ids[sampled] = choice.clamp(max=vocab_size - 1)  # guard the float edge u * total == total
+    token_list = next_ids.tolist()
 
     logprobs: list[list[tuple[int, float]] | None] = [None] * len(params)
     sampled_logprobs: list[tuple[float, int]] = [(0.0, 0)] * len(params)
     wanted = [b for b, p in enumerate(params) if p.logprobs is not None]
-    if wanted:  # raw log-probabilities of the model, before temperature and filters (vLLM's default)
-        all_logprobs = torch.log_softmax(logits[wanted], dim=-1)  # (Bw, V)
-        for row, b in zip(all_logprobs, wanted, strict=True):
-            chosen = row[token_list[b]]
-            rank = int((row > chosen).sum()) + 1
-            sampled_logprobs[b] = (float(chosen), rank)
-            top = torch.topk(row, params[b].logprobs) if params[b].logprobs > 0 else None
-            logprobs[b] = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+    if wanted:  # raw log-probabilities of the model, before penalties, temperature and filters (vLLM's default)
+        all_logprobs = torch.log_softmax(raw[wanted], dim=-1)  # (Bw, V)
+        gathered = gather_logprobs(all_logprobs, [token_list[b] for b in wanted], [params[b].logprobs for b in wanted])
+        for b, (top, chosen) in zip(wanted, gathered, strict=True):
+            logprobs[b], sampled_logprobs[b] = top, chosen
     return SamplerOutput(token_list, logprobs, sampled_logprobs)

@@ -7,12 +7,13 @@ constraint that does not compile is a ValueError there, before anything is queue
 core, does the rest, in the order a step runs them:
     grammar_init     at `add_request` (and when a sample is forked): compile the constraint (cached by its
                      text) into a fresh matcher for one sample
-    submit_bitmask   `scheduler.get_grammar_bitmask`, before the forward pass: fill the (N, W) mask of the
-                     step's sampling rows on a worker thread while the forward pass runs (the library drops the
-                     GIL), every row of an unconstrained sample all ones; the runner applies it to the logits
-                     before sampling (`apply_token_bitmask`)
+    grammar_bitmask  `scheduler.get_grammar_bitmask`, before the forward pass: `submit_grammar_bitmask` starts
+                     filling the (N, W) mask of the step's N sampling rows on a worker thread while the forward
+                     pass runs (the library drops the GIL), every row of an unconstrained sample all ones; the
+                     runner waits for it and applies it to the logits before sampling (`apply_token_bitmask`)
     then `update_from_output` advances each matcher by its sampled token, and a sample whose grammar is
-    complete (`is_terminated`) finishes with finish_reason "stop".
+    complete (`is_terminated`) finishes with finish_reason "stop" — without sampling EOS, where vLLM's mask
+    allows only EOS once the grammar is complete and the ordinary EOS check ends the sample a step later.
 
 A matcher lives with its sample, so nothing changes for the rest of the engine. Preemption by recompute keeps a
 sequence's tokens, and so its matcher's state is still right when the sequence resumes: it recomputes K/V for
@@ -27,12 +28,13 @@ request's side in `vllm/v1/structured_output/request.py` and the mask applied in
 
 import functools
 import json
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from solutions.config import ModelConfig
+from solutions.core.sched.output import SchedulerOutput, sampling_rows
 from solutions.model.loader import load_tokenizer
 from solutions.sampling_params import StructuredOutputsParams
 from solutions.structured_output.backend_guidance import GuidanceBackend
@@ -40,7 +42,10 @@ from solutions.structured_output.backend_types import StructuredOutputGrammar
 from solutions.structured_output.bitmask import allocate_token_bitmask, apply_token_bitmask
 from solutions.structured_output.choice import ChoiceGrammar, TokenTexts
 
-__all__ = ["StructuredOutputManager", "StructuredOutputGrammar", "apply_token_bitmask", "ChoiceGrammar", "TokenTexts"]
+__all__ = [
+    "StructuredOutputManager", "StructuredOutputGrammar", "submit_grammar_bitmask", "apply_token_bitmask",
+    "ChoiceGrammar", "TokenTexts",
+]
 
 GRAMMAR_CACHE_SIZE = 256  # compiled constraints kept, least recently used dropped first
 
@@ -94,14 +99,12 @@ class StructuredOutputManager:
 
     # --- the masks of one step ---------------------------------------------------------------------------------
 
-    def submit_bitmask(self, grammars: list[StructuredOutputGrammar | None]) -> "Future[torch.Tensor]":
-        """Start filling the (N, W) mask of a step's N sampling rows on the worker thread: row i from
-        `grammars[i]`, all allowed where it is None. The caller waits on the future before sampling, so no
-        grammar is touched by two threads."""
+    def grammar_bitmask(self, scheduler_output: SchedulerOutput) -> "Future[torch.Tensor] | None":
+        """The step's mask, being filled on this manager's thread (`submit_grammar_bitmask`); None when no
+        sampling row has a grammar."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask")
-        bitmask = allocate_token_bitmask(len(grammars), self.vocab_size)
-        return self._executor.submit(_fill, grammars, bitmask)
+        return submit_grammar_bitmask(scheduler_output, self._executor, self.vocab_size)
 
     def shutdown(self) -> None:
         """Stop the mask-filling thread, if one was started (the engine core's shutdown calls this)."""
@@ -110,8 +113,26 @@ class StructuredOutputManager:
             self._executor = None
 
 
-def _fill(grammars: list[StructuredOutputGrammar | None], bitmask: torch.Tensor) -> torch.Tensor:
-    for row, grammar in enumerate(grammars):
-        if grammar is not None:
-            grammar.fill_bitmask(bitmask, row)
-    return bitmask
+def submit_grammar_bitmask(
+    scheduler_output: SchedulerOutput, executor: Executor, vocab_size: int
+) -> "Future[torch.Tensor] | None":
+    """Start filling the step's (N, W) int32 mask on `executor` and return its future; None if no sampling row
+    has a grammar.
+
+    Row i belongs to the i-th sampling sequence of `sampling_rows(scheduler_output)` (a prompt chunk that is not
+    its prompt's last samples nothing and gets no row; each sample forked this step gets its own), filled by
+    that sequence's grammar, or left all ones (every token allowed) if it has none. The caller runs the forward
+    pass meanwhile and waits on the future before sampling: until then no grammar is touched by another thread.
+    """
+    grammars = [seq.grammar for seq in sampling_rows(scheduler_output)[1]]
+    if all(grammar is None for grammar in grammars):
+        return None
+    bitmask = allocate_token_bitmask(len(grammars), vocab_size)  # (N, W), every token allowed
+
+    def fill() -> torch.Tensor:
+        for row, grammar in enumerate(grammars):
+            if grammar is not None:
+                grammar.fill_bitmask(bitmask, row)
+        return bitmask
+
+    return executor.submit(fill)

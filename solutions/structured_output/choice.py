@@ -2,20 +2,20 @@
 
 Why this is not a lookup of each choice's token ids. The tokenizer would write "Paris" as one token, but the
 model may well produce "Par" + "is", or " Paris" with its space glued on, and every one of those paths spells a
-valid answer. A token is a string of characters, and several tokens can cover the same characters. So the state
-is the *text* produced so far, not a position in one tokenisation: the next token may be any token whose text
-keeps the output a prefix of some choice. When the text equals a choice, the end-of-sequence token is allowed
-too; when no choice extends it any further, the output is complete.
+valid answer. A token is a string of bytes, and several tokens can cover the same bytes. So the state is the
+*text* produced so far, not a position in one tokenisation: the next token may be any token whose bytes keep the
+output a prefix of some choice. When the text equals a choice, the end-of-sequence token is allowed too; when no
+choice extends it any further, the output is complete.
 
-Tokens are matched by their decoded text, so a token that holds only part of a UTF-8 character (byte-level BPE
-has them) never matches: a choice with non-ASCII characters is still reachable through whole-character tokens,
-but not through every path a byte-level grammar engine would allow. Libraries such as llguidance and xgrammar
-work on bytes for that reason; this matcher stays small enough to read.
+The text is kept as UTF-8 bytes, as llguidance and xgrammar keep theirs: SmolLM2's byte-level BPE has tokens
+that hold part of a character (313 of its 49,152; "東京" is written as four of them), which no decoded string
+can place, so a choice with CJK text or emoji is reachable only at the byte level.
 
 Where this lives in vLLM: vLLM compiles a choice list into a grammar for its backend (`choice_as_grammar` in
 `vllm/v1/structured_output/utils.py`, used by `backend_xgrammar.py`; a Lark alternation in `backend_guidance.py`).
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -24,22 +24,44 @@ from transformers import PreTrainedTokenizerBase
 from solutions.structured_output.bitmask import pack_token_bitmask
 
 
+@functools.cache
+def byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, read backwards: each character of a byte-level BPE token stands for one byte.
+
+    The 188 printable bytes stand for themselves; the other 68 (controls, space, ...) are written as the
+    characters 256, 257, ... in byte order, so a token's string never holds a space or a control character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(others)}
+
+
 @dataclass(frozen=True)
 class TokenTexts:
-    """Each token id's text ("" for special tokens) and the ids of each text: built once per tokenizer."""
+    """Each token id's bytes (b"" for special tokens) and the ids of each byte string: built once per tokenizer."""
 
-    texts: list[str]
-    ids_by_text: dict[str, list[int]]
+    texts: list[bytes]
+    ids_by_text: dict[bytes, list[int]]
     eos_token_id: int | None
 
     @classmethod
     def from_tokenizer(
         cls, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_id: int | None
     ) -> "TokenTexts":
-        texts = tokenizer.batch_decode([[i] for i in range(vocab_size)], skip_special_tokens=True)
-        ids_by_text: dict[str, list[int]] = {}
+        """From a byte-level BPE tokenizer (GPT-2's alphabet, as SmolLM2's); ValueError for any other kind."""
+        decoder = byte_decoder()
+        special = {token_id for token_id, added in tokenizer.added_tokens_decoder.items() if added.special}
+        texts: list[bytes] = []
+        for token_id, token in enumerate(tokenizer.convert_ids_to_tokens(list(range(vocab_size)))):
+            if token is None or token_id in special:
+                texts.append(b"")  # special tokens spell nothing
+            elif set(token) <= decoder.keys():
+                texts.append(bytes(map(decoder.__getitem__, token)))
+            else:
+                raise ValueError(f"TokenTexts needs a byte-level BPE tokenizer: token {token_id} is {token!r}, which "
+                                 "is not written in GPT-2's byte alphabet")
+        ids_by_text: dict[bytes, list[int]] = {}
         for token_id, text in enumerate(texts):
-            if text and "\ufffd" not in text:  # empty (special) and partial-character tokens spell nothing
+            if text:
                 ids_by_text.setdefault(text, []).append(token_id)
         return cls(texts, ids_by_text, eos_token_id)
 
@@ -48,9 +70,9 @@ class ChoiceGrammar:
     """The output is exactly one of `choices` (a `StructuredOutputGrammar`; see the module docstring)."""
 
     def __init__(self, choices: list[str], tokens: TokenTexts) -> None:
-        self.choices = list(choices)
+        self.choices = [choice.encode() for choice in choices]  # compared as UTF-8 bytes, as the tokens are
         self.tokens = tokens
-        self.text = ""  # the output so far: always a prefix of some choice
+        self.text = b""  # the output so far: always a prefix of some choice
         self.ended = False  # the end-of-sequence token was accepted
 
     def allowed_token_ids(self) -> list[int]:
@@ -61,7 +83,7 @@ class ChoiceGrammar:
         for choice in self.choices:
             if choice.startswith(self.text):
                 rest = choice[len(self.text) :]
-                for end in range(1, len(rest) + 1):  # each token that spells the next `end` characters
+                for end in range(1, len(rest) + 1):  # each token that spells the next `end` bytes
                     allowed.update(self.tokens.ids_by_text.get(rest[:end], []))
         if self.text in self.choices and self.tokens.eos_token_id is not None:
             allowed.add(self.tokens.eos_token_id)

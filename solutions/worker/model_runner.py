@@ -16,6 +16,12 @@ The runner samples too, as vLLM's does: `execute_model` keeps the logits of the 
 (`sampling_rows`), and `sample_tokens` masks them by the step's grammars, draws one token per sampling sequence
 with its own parameters and generator, and returns token ids — the engine core never touches logits.
 
+A request with `prompt_logprobs` also needs the logits at its prompt positions: the logits at position i give the
+logprob of prompt token i + 1. In each step that computes a chunk of its prompt, the LM head also runs on the
+chunk's rows (only on those, and only for such requests), and `sample_tokens` returns that chunk's logprobs; the
+front end puts the chunks together. Its prompt is never read from the prefix cache
+(`SamplingParams.skip_reading_prefix_cache`, as vLLM), so every prompt position is computed here.
+
 Where this lives in vLLM: `vllm/v1/worker/gpu_model_runner.py` (`_prepare_inputs`, `execute_model`,
 `sample_tokens`).
 """
@@ -28,9 +34,15 @@ from solutions.attention.paged import AttentionMetadata, KVCache, copy_blocks
 from solutions.attention.torch_backend import TorchAttentionBackend
 from solutions.config import VllmConfig
 from solutions.core.block_manager import slot_mapping
-from solutions.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput, sampling_rows
+from solutions.core.sched.output import (
+    GrammarOutput,
+    ModelRunnerOutput,
+    PromptLogprobsChunk,
+    SchedulerOutput,
+    sampling_rows,
+)
 from solutions.model.llama import LlamaForCausalLM
-from solutions.sample.sampler import sample
+from solutions.sample.sampler import gather_logprobs, sample
 from solutions.structured_output.bitmask import apply_token_bitmask
 
 ATTENTION_BACKENDS = ("torch", "inductor", "triton")
@@ -64,6 +76,51 @@ def prepare_inputs(
     return torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), metadata
 
 
+def prompt_logprobs_rows(
+    scheduler_output: SchedulerOutput,
+) -> tuple[list[int], list[tuple[int, int, list[int], int]]]:
+    """The flat-batch rows whose logits give prompt logprobs this step, and per such sequence (seq_id, the prompt
+    position its first logprob is for, the prompt tokens those rows predict, its `prompt_logprobs`).
+
+    A chunk of positions [start, end) of a prompt of P tokens predicts prompt tokens start + 1 .. min(end, P - 1):
+    a chunk that ends the prompt predicts the first output token with its last row, which is not a prompt
+    logprob. Only sequences still on their first prompt pass (no output token yet) qualify: a resumed one
+    already delivered them.
+    """
+    rows: list[int] = []
+    chunks: list[tuple[int, int, list[int], int]] = []
+    offset = 0
+    for seq, start, num_new in zip(
+        scheduler_output.scheduled_seqs, scheduler_output.num_computed_tokens, scheduler_output.num_scheduled_tokens,
+        strict=True,
+    ):
+        params = seq.sampling_params
+        if params is not None and params.prompt_logprobs is not None and seq.num_output_tokens == 0:
+            end = min(start + num_new, seq.num_prompt_tokens - 1)  # rows start .. end - 1 predict prompt tokens
+            if end > start:
+                rows += range(offset, offset + end - start)
+                chunks.append((seq.seq_id, start + 1, seq.token_ids[start + 1 : end + 1], params.prompt_logprobs))
+        offset += num_new
+    return rows, chunks
+
+
+def compute_prompt_logprobs(
+    prompt_logits: torch.Tensor, chunks: list[tuple[int, int, list[int], int]]
+) -> dict[int, PromptLogprobsChunk]:
+    """Each chunk's prompt logprobs from the logits (E, V) of `prompt_logprobs_rows`' rows, in their order: the
+    raw model's log-softmax, the top `prompt_logprobs` tokens and the actual prompt token's (logprob, rank)."""
+    if not chunks:
+        return {}
+    targets = [token_id for chunk in chunks for token_id in chunk[2]]
+    num_logprobs = [chunk[3] for chunk in chunks for _ in chunk[2]]
+    gathered = gather_logprobs(torch.log_softmax(prompt_logits.float(), dim=-1), targets, num_logprobs)
+    result, start = {}, 0
+    for seq_id, position, chunk_targets, _ in chunks:
+        result[seq_id] = position, gathered[start : start + len(chunk_targets)]
+        start += len(chunk_targets)
+    return result
+
+
 class ModelRunner:
     """Owns the model and the paged KV cache (on the model's device, in its dtype); one `execute_model` call is
     one forward pass.
@@ -80,7 +137,7 @@ class ModelRunner:
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
         self.model, self.block_size = model, block_size
-        self._pending: tuple[list[torch.Tensor], list, dict[str, float]] | None = None  # execute -> sample
+        self._pending: tuple[torch.Tensor, list, dict[str, float], tuple[torch.Tensor, list]] | None = None
         weight = model.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.kv_cache = KVCache.allocate(model.config, num_blocks, block_size, dtype=self.dtype, device=self.device)
@@ -125,38 +182,52 @@ class ModelRunner:
         """
         seconds = {"prepare": 0.0, "forward": 0.0}
         if not scheduler_output.scheduled_seqs:
-            self._pending = [], [], seconds
-            return torch.empty(0, self.model.config.vocab_size)  # (0, V)
-        logits = self.forward(scheduler_output, seconds)  # (B, V)
+            empty = torch.empty(0, self.model.config.vocab_size)  # (0, V)
+            self._pending = empty, [], seconds, (empty, [])
+            return empty
+        extra_rows, prompt_chunks = prompt_logprobs_rows(scheduler_output)  # none unless a request asks
+        logits = self.forward(scheduler_output, seconds, torch.tensor(extra_rows) if extra_rows else None)
+        num_seqs = len(scheduler_output.scheduled_seqs)
+        logits, prompt_logits = logits[:num_seqs], logits[num_seqs:]  # (B, V), (E, V)
         rows, seqs = sampling_rows(scheduler_output)
-        self._pending = logits[rows], seqs, seconds  # (N, V): rows may repeat (n > 1 forks share one)
+        # (N, V): rows may repeat (n > 1 forks share one)
+        self._pending = logits[rows], seqs, seconds, (prompt_logits, prompt_chunks)
         return logits
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         """One token per sampling row of the last `execute_model`, within its grammar's mask if it has one."""
         if self._pending is None:
             raise RuntimeError("sample_tokens() needs an execute_model() first: there are no logits to sample from")
-        logits, seqs, seconds = self._pending
+        logits, seqs, seconds, (prompt_logits, prompt_chunks) = self._pending
         self._pending = None
         start = time.perf_counter()
         if grammar_output is not None:  # structured outputs: only what the grammars allow
             logits = apply_token_bitmask(logits, grammar_output.bitmask())  # (N, V), the mask (N, W)
         params = [seq.sampling_params for seq in seqs]
-        sampled = sample(logits, params, [seq.generator for seq in seqs])
+        sampled = sample(
+            logits, params, [seq.generator for seq in seqs], [seq.token_ids for seq in seqs],
+            [seq.num_prompt_tokens for seq in seqs], self.model.config.eos_token_id,
+        )
         seconds["sample"] = time.perf_counter() - start
         return ModelRunnerOutput(
             [seq.seq_id for seq in seqs], sampled.sampled_token_ids, sampled.logprobs, sampled.sampled_logprobs,
-            seconds,
+            seconds, compute_prompt_logprobs(prompt_logits, prompt_chunks),
         )
 
-    def forward(self, scheduler_output: SchedulerOutput, seconds: dict[str, float] | None = None) -> torch.Tensor:
-        """The forward pass itself: the logits (B, V) at each scheduled sequence's last scheduled token. `seconds`
-        gets the time spent preparing the inputs ("prepare") and in the model ("forward")."""
+    def forward(
+        self, scheduler_output: SchedulerOutput, seconds: dict[str, float] | None = None,
+        extra_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The forward pass itself: the logits (B, V) at each scheduled sequence's last scheduled token, then at
+        `extra_rows` (E,) of the flat batch if given ((B + E, V) in all). `seconds` gets the time spent preparing
+        the inputs ("prepare") and in the model ("forward")."""
         start = time.perf_counter()
         if scheduler_output.blocks_to_copy:
             copy_blocks(self.kv_cache, scheduler_output.blocks_to_copy)
         input_ids, positions, metadata = prepare_inputs(scheduler_output, self.block_size)  # on the host
         last_rows = metadata.query_start_loc[1:] - 1  # (B,) row of each sequence's last new token
+        if extra_rows is not None:
+            last_rows = torch.cat([last_rows, extra_rows])  # (B + E,)
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(metadata):  # a pure decode: replay
             prepared = time.perf_counter()
             hidden = self.cuda_graphs.run(input_ids, positions, metadata)  # (B, D_model), B == T

@@ -12,6 +12,7 @@ from solutions.core.sched.request_queue import SchedulingPolicy
 from solutions.core.sched.scheduler import Scheduler, SchedulerBase
 from solutions.core.sequence import Sequence, SequenceStatus
 from solutions.engine.core import EngineCore
+from solutions.sample.ops.penalties import get_token_bin_counts_and_mask
 
 # --- Scheduler.schedule -------------------------------------------------------------------------------------------
 
@@ -226,6 +227,34 @@ class ResumesFromZero(_Template):
         return ([], 0) if seq.status is SequenceStatus.PREEMPTED else super()._lookup(seq)
 
 
+class StepsPastAVictimAhead(_Template):
+    """Moves on with `index += 1` after serving a sequence: when a victim *before* it (PRIORITY) left `running`,
+    everything shifted left and the sequence after it is skipped this step."""
+
+    def _running_first(self, out, copies, budget):
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new_tokens = self._num_new(seq.num_tokens - seq.num_computed_tokens, budget)
+            seq_copies, returned = self._allocate_or_preempt(seq, num_new_tokens, out, copies)
+            budget += returned
+            if seq_copies is None:
+                continue
+            self._add_to_batch(out, seq, num_new_tokens, seq_copies, copies)
+            budget -= num_new_tokens
+            index += 1
+        return budget
+
+
+class KeepsTheVictimsBudget(_Template):
+    """Ignores the budget `_allocate_or_preempt` hands back: a victim taken out of the batch keeps its tokens
+    spent, and the sequences after it go without."""
+
+    def _allocate_or_preempt(self, seq, num_new_tokens, out, copies):
+        seq_copies, _ = super()._allocate_or_preempt(seq, num_new_tokens, out, copies)
+        return seq_copies, 0
+
+
 # --- allocate_or_preempt -----------------------------------------------------------------------------------------
 
 
@@ -309,6 +338,91 @@ def allocate_or_preempt_runs_past_itself(
 ) -> tuple[list[tuple[int, int]] | None, int]:
     """Does not stop when the victim is `seq` itself: it allocates again for a sequence now waiting."""
     return _allocate_or_preempt(scheduler, seq, num_new_tokens, out, copies, stop_at_self=False)
+
+
+def allocate_or_preempt_priority_takes_the_last_running(
+    scheduler: SchedulerBase, seq: Sequence, num_new_tokens: int, out: SchedulerOutput,
+    copies: dict[int, list[tuple[int, int]]],
+) -> tuple[list[tuple[int, int]] | None, int]:
+    """Preempts the last to start running whatever the policy: under PRIORITY a more important request goes."""
+    return _allocate_or_preempt(scheduler, seq, num_new_tokens, out, copies, choose=lambda s: s.running[-1])
+
+
+def _victim_behind_first(scheduler: SchedulerBase, seq: Sequence) -> Sequence:
+    behind = scheduler.running[scheduler.running.index(seq) + 1:] if seq in scheduler.running else []
+    return max(behind or scheduler.running, key=lambda s: (s.priority, s.arrival, s.seq_id))
+
+
+def allocate_or_preempt_priority_looks_behind_first(
+    scheduler: SchedulerBase, seq: Sequence, num_new_tokens: int, out: SchedulerOutput,
+    copies: dict[int, list[tuple[int, int]]],
+) -> tuple[list[tuple[int, int]] | None, int]:
+    """PRIORITY: picks the lowest priority among the sequences *after* `seq` (as FCFS would), looking at the whole
+    running list only when none follows: a less important victim ahead of `seq` is passed over."""
+    if scheduler.policy is not SchedulingPolicy.PRIORITY:
+        return _allocate_or_preempt(scheduler, seq, num_new_tokens, out, copies)
+    return _allocate_or_preempt(scheduler, seq, num_new_tokens, out, copies,
+                                choose=lambda s: _victim_behind_first(s, seq))
+
+
+def _preempt_by_hand(scheduler: SchedulerBase, victim: Sequence, out: SchedulerOutput, *, reset_first=False,
+                     free_cached=True, reset_cached=True) -> None:
+    """`_preempt_request` written out by hand, with the slips the flags name."""
+    manager = scheduler.kv_cache_manager
+    scheduler.running.remove(victim)
+    if reset_first:
+        victim.num_computed_tokens = 0
+    if free_cached or not manager.enable_prefix_caching:
+        manager.free(victim)
+    else:  # "the prefix cache keeps the cached blocks": only the others are freed
+        blocks = [manager.block_pool.blocks[b] for b in victim.block_table]
+        manager.block_pool.free_blocks(reversed([b for b in blocks if b.block_hash is None]))
+        victim.block_table.clear()
+    if reset_cached or not manager.enable_prefix_caching:
+        victim.num_computed_tokens = 0
+    victim.status = SequenceStatus.PREEMPTED
+    scheduler.waiting.prepend(victim)
+    out.preempted_seq_ids.append(victim.seq_id)
+    scheduler.num_preemptions += 1
+
+
+def _allocate_or_preempt_by_hand(scheduler, seq, num_new_tokens, out, copies, **slips):
+    returned = 0
+    while (seq_copies := scheduler.kv_cache_manager.allocate_slots(seq, num_new_tokens)) is None:
+        victim = _victim(scheduler)
+        if victim in out.scheduled_seqs:
+            returned += scheduler._remove_from_batch(out, victim, copies)
+        _preempt_by_hand(scheduler, victim, out, **slips)
+        if victim is seq:
+            return None, returned
+    return seq_copies, returned
+
+
+def allocate_or_preempt_resets_before_freeing(
+    scheduler: SchedulerBase, seq: Sequence, num_new_tokens: int, out: SchedulerOutput,
+    copies: dict[int, list[tuple[int, int]]],
+) -> tuple[list[tuple[int, int]] | None, int]:
+    """Preempts by hand, resetting `num_computed_tokens` before freeing: with prefix caching on, the manager then
+    takes every block for never computed and drops its hash, so a re-admission finds nothing cached."""
+    return _allocate_or_preempt_by_hand(scheduler, seq, num_new_tokens, out, copies, reset_first=True)
+
+
+def allocate_or_preempt_keeps_the_cached_blocks(
+    scheduler: SchedulerBase, seq: Sequence, num_new_tokens: int, out: SchedulerOutput,
+    copies: dict[int, list[tuple[int, int]]],
+) -> tuple[list[tuple[int, int]] | None, int]:
+    """Preempts by hand, freeing only the victim's uncached blocks ("the prefix cache keeps the others"): with
+    prefix caching on its cached blocks keep a reference nobody holds, leaked for ever."""
+    return _allocate_or_preempt_by_hand(scheduler, seq, num_new_tokens, out, copies, free_cached=False)
+
+
+def allocate_or_preempt_keeps_the_computed_tokens(
+    scheduler: SchedulerBase, seq: Sequence, num_new_tokens: int, out: SchedulerOutput,
+    copies: dict[int, list[tuple[int, int]]],
+) -> tuple[list[tuple[int, int]] | None, int]:
+    """Preempts by hand and, with prefix caching on, keeps `num_computed_tokens` ("its blocks are cached, so its
+    tokens stay computed"): a sequence without blocks claims computed K/V."""
+    return _allocate_or_preempt_by_hand(scheduler, seq, num_new_tokens, out, copies, reset_cached=False)
 
 
 # --- prepare_inputs -----------------------------------------------------------------------------------------------
@@ -547,6 +661,65 @@ def apply_min_p_max_over_the_batch(logits: torch.Tensor, min_p: torch.Tensor) ->
     return logits.masked_fill(probs < min_p[:, None] * probs.max(dim=0, keepdim=True).values, float("-inf"))
 
 
+# --- apply_penalties ----------------------------------------------------------------------------------------------
+
+
+def _penalties(logits, prompt_token_ids, output_token_ids, presence_penalties, frequency_penalties,
+               repetition_penalties, *, divide_negatives=False, repeat_over_prompt=True, openai_over_prompt=False,
+               count_once=False):
+    vocab_size = logits.shape[1]
+    prompt_counts, prompt_mask = get_token_bin_counts_and_mask(prompt_token_ids, vocab_size)
+    output_counts, output_mask = get_token_bin_counts_and_mask(output_token_ids, vocab_size)
+    seen = (prompt_mask | output_mask) if repeat_over_prompt else output_mask
+    penalty = torch.where(seen, repetition_penalties[:, None], 1.0).to(logits.dtype)
+    logits = logits / penalty if divide_negatives else torch.where(logits > 0, logits / penalty, logits * penalty)
+    counts, mask = output_counts, output_mask
+    if openai_over_prompt:
+        counts, mask = prompt_counts + output_counts, prompt_mask | output_mask
+    logits = logits - frequency_penalties[:, None] * (mask if count_once else counts)
+    return logits - presence_penalties[:, None] * mask
+
+
+def apply_penalties_divides_negative_logits(
+    logits: torch.Tensor, prompt_token_ids: torch.Tensor, output_token_ids: torch.Tensor,
+    presence_penalties: torch.Tensor, frequency_penalties: torch.Tensor, repetition_penalties: torch.Tensor,
+) -> torch.Tensor:
+    """Divides every seen token's logit by the repetition penalty: a negative logit moves towards 0, so the token
+    becomes *more* likely (the classic mistake; CTRL's and Hugging Face's multiply a negative logit)."""
+    return _penalties(logits, prompt_token_ids, output_token_ids, presence_penalties, frequency_penalties,
+                      repetition_penalties, divide_negatives=True)
+
+
+def apply_penalties_repetition_over_the_output_only(
+    logits: torch.Tensor, prompt_token_ids: torch.Tensor, output_token_ids: torch.Tensor,
+    presence_penalties: torch.Tensor, frequency_penalties: torch.Tensor, repetition_penalties: torch.Tensor,
+) -> torch.Tensor:
+    """Applies the repetition penalty to the output tokens only, like the other two: a token the prompt repeats
+    is not penalised (vLLM's and Hugging Face's cover the prompt too)."""
+    return _penalties(logits, prompt_token_ids, output_token_ids, presence_penalties, frequency_penalties,
+                      repetition_penalties, repeat_over_prompt=False)
+
+
+def apply_penalties_presence_and_frequency_over_the_prompt(
+    logits: torch.Tensor, prompt_token_ids: torch.Tensor, output_token_ids: torch.Tensor,
+    presence_penalties: torch.Tensor, frequency_penalties: torch.Tensor, repetition_penalties: torch.Tensor,
+) -> torch.Tensor:
+    """Counts the prompt's tokens for the presence and frequency penalties too, as for the repetition penalty:
+    OpenAI's formula counts only what was generated."""
+    return _penalties(logits, prompt_token_ids, output_token_ids, presence_penalties, frequency_penalties,
+                      repetition_penalties, openai_over_prompt=True)
+
+
+def apply_penalties_frequency_counts_each_token_once(
+    logits: torch.Tensor, prompt_token_ids: torch.Tensor, output_token_ids: torch.Tensor,
+    presence_penalties: torch.Tensor, frequency_penalties: torch.Tensor, repetition_penalties: torch.Tensor,
+) -> torch.Tensor:
+    """Subtracts the frequency penalty once per distinct output token (the mask), not once per occurrence: it
+    becomes a second presence penalty."""
+    return _penalties(logits, prompt_token_ids, output_token_ids, presence_penalties, frequency_penalties,
+                      repetition_penalties, count_once=True)
+
+
 MUTANTS = {
     "schedule_ignores_the_budget": {"Scheduler": IgnoresTheBudget},
     "schedule_starves_running": {"Scheduler": StarvesRunning},
@@ -561,6 +734,8 @@ MUTANTS = {
     "schedule_resumes_from_zero": {"Scheduler": ResumesFromZero},
     "schedule_never_advances_the_batch": {"Scheduler": NeverAdvancesTheBatch},
     "schedule_counts_only_running_sequences": {"Scheduler": CountsOnlyRunningSequences},
+    "schedule_steps_past_a_victim_ahead": {"Scheduler": StepsPastAVictimAhead},
+    "schedule_keeps_the_victims_budget": {"Scheduler": KeepsTheVictimsBudget},
     "allocate_or_preempt_picks_the_first": {"allocate_or_preempt": allocate_or_preempt_picks_the_first},
     "allocate_or_preempt_priority_picks_the_smallest":
         {"allocate_or_preempt": allocate_or_preempt_priority_picks_the_smallest},
@@ -571,6 +746,14 @@ MUTANTS = {
         {"allocate_or_preempt": allocate_or_preempt_keeps_the_victim_scheduled},
     "allocate_or_preempt_only_once": {"allocate_or_preempt": allocate_or_preempt_only_once},
     "allocate_or_preempt_runs_past_itself": {"allocate_or_preempt": allocate_or_preempt_runs_past_itself},
+    "allocate_or_preempt_priority_takes_the_last_running":
+        {"allocate_or_preempt": allocate_or_preempt_priority_takes_the_last_running},
+    "allocate_or_preempt_priority_looks_behind_first":
+        {"allocate_or_preempt": allocate_or_preempt_priority_looks_behind_first},
+    "allocate_or_preempt_resets_before_freeing": {"allocate_or_preempt": allocate_or_preempt_resets_before_freeing},
+    "allocate_or_preempt_keeps_the_cached_blocks": {"allocate_or_preempt": allocate_or_preempt_keeps_the_cached_blocks},
+    "allocate_or_preempt_keeps_the_computed_tokens":
+        {"allocate_or_preempt": allocate_or_preempt_keeps_the_computed_tokens},
     "prepare_inputs_reads_the_sequences": {"prepare_inputs": prepare_inputs_reads_the_sequences},
     "prepare_inputs_chunk_positions_from_zero": {"prepare_inputs": prepare_inputs_chunk_positions_from_zero},
     "prepare_inputs_seq_lens_are_query_lens": {"prepare_inputs": prepare_inputs_seq_lens_are_query_lens},
@@ -595,10 +778,17 @@ MUTANTS = {
     "apply_min_p_absolute": {"apply_min_p": apply_min_p_absolute},
     "apply_min_p_on_logits": {"apply_min_p": apply_min_p_on_logits},
     "apply_min_p_max_over_the_batch": {"apply_min_p": apply_min_p_max_over_the_batch},
+    "apply_penalties_divides_negative_logits": {"apply_penalties": apply_penalties_divides_negative_logits},
+    "apply_penalties_repetition_over_the_output_only":
+        {"apply_penalties": apply_penalties_repetition_over_the_output_only},
+    "apply_penalties_presence_and_frequency_over_the_prompt":
+        {"apply_penalties": apply_penalties_presence_and_frequency_over_the_prompt},
+    "apply_penalties_frequency_counts_each_token_once":
+        {"apply_penalties": apply_penalties_frequency_counts_each_token_once},
 }
 
 # For every exercise, a mutant that makes the capstone (SmolLM2, preemption storm, chunked prefill, prefix caching,
-# a sampled request) fail: the capstone really runs each exercise.
+# a sampled request with penalties) fail: the capstone really runs each exercise.
 CAPSTONE_MUTANTS = {
     "Scheduler": "schedule_ignores_cached_tokens",
     "allocate_or_preempt": "allocate_or_preempt_keeps_the_victim_scheduled",
@@ -607,4 +797,5 @@ CAPSTONE_MUTANTS = {
     "engine_step": "engine_step_never_updates",
     "apply_top_p": "apply_top_p_drops_the_crossing_token",
     "apply_min_p": "apply_min_p_absolute",
+    "apply_penalties": "apply_penalties_repetition_over_the_output_only",
 }

@@ -5,17 +5,14 @@ Class exercises are mutated by subclassing the reference and overriding the meth
 
 import asyncio
 import queue
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
-import numpy as np
-
-from benchmarks.serving import RequestTimeline, normalized_latency, serving_metrics, summary
-from solutions.engine.async_llm import RequestOutputCollector
-from solutions.engine.async_llm import merge_delta as reference_merge_delta
+from solutions.engine.async_llm import AsyncLLM, RequestOutputCollector, merge_delta
 from solutions.engine.core import IDLE_POLL_SECONDS, EngineCoreProc, MessageQueue
 from solutions.entrypoints.openai.serving_engine import ClientDisconnected, wait_for_disconnect
 from solutions.outputs import RequestOutput
+from solutions.sampling_params import SamplingParams
 
 T = TypeVar("T")
 
@@ -24,7 +21,8 @@ T = TypeVar("T")
 
 def _loop(core: EngineCoreProc, input_queue: MessageQueue, output_queue: MessageQueue,
           parent_alive: Callable[[], bool], *, drain_one: bool = False, report_idle: bool = True, block: bool = True,
-          stop_when_busy: bool = True, watch_parent: bool = True) -> None:
+          stop_when_busy: bool = True, watch_parent: bool = True, drain_while_busy: bool = True,
+          swallow_step_errors: bool = False) -> None:
     """The reference loop, with switches for what the mutants below get wrong."""
     while True:
         while not core.has_unfinished_requests():
@@ -38,7 +36,7 @@ def _loop(core: EngineCoreProc, input_queue: MessageQueue, output_queue: Message
                 continue
             if not core.handle(message, output_queue):
                 return
-        while True:
+        while drain_while_busy:
             try:
                 message = input_queue.get(block=False)
             except queue.Empty:
@@ -48,7 +46,11 @@ def _loop(core: EngineCoreProc, input_queue: MessageQueue, output_queue: Message
             if drain_one:
                 break
         if core.has_unfinished_requests():
-            output_queue.put(core.step())
+            try:
+                output_queue.put(core.step())
+            except Exception:
+                if not swallow_step_errors:
+                    raise
 
 
 def run_busy_loop_one_message_per_step(core: EngineCoreProc, input_queue: MessageQueue, output_queue: MessageQueue,
@@ -82,43 +84,18 @@ def run_busy_loop_outlives_its_front_end(core: EngineCoreProc, input_queue: Mess
     _loop(core, input_queue, output_queue, parent_alive, watch_parent=False)
 
 
-# --- merge_delta ---------------------------------------------------------------------------------------------------
+def run_busy_loop_reads_only_while_idle(core: EngineCoreProc, input_queue: MessageQueue, output_queue: MessageQueue,
+                                        parent_alive: Callable[[], bool]) -> None:
+    """Steps until the batch is done before reading the queue again: a request that arrives while others run waits
+    for all of them, and so do aborts and SHUTDOWN."""
+    _loop(core, input_queue, output_queue, parent_alive, drain_while_busy=False)
 
 
-def merge_delta_keeps_the_newest(pending: RequestOutput, new: RequestOutput) -> RequestOutput:
-    """Replaces the pending output with the new one: the tokens the reader had not taken are lost."""
-    return new
-
-
-def merge_delta_by_position(pending: RequestOutput, new: RequestOutput) -> RequestOutput:
-    """Pairs the samples by their position in the lists, not by their index."""
-    for earlier, completion in zip(pending.outputs, new.outputs):
-        earlier.text += completion.text
-        earlier.token_ids = earlier.token_ids + completion.token_ids
-        if completion.logprobs is not None:
-            earlier.logprobs = (earlier.logprobs or []) + completion.logprobs
-        earlier.finish_reason, earlier.stop_reason = completion.finish_reason, completion.stop_reason
-        earlier.cumulative_logprob = completion.cumulative_logprob
-    pending.finished, pending.num_cached_tokens = new.finished, new.num_cached_tokens
-    return pending
-
-
-def merge_delta_keeps_the_first_finish(pending: RequestOutput, new: RequestOutput) -> RequestOutput:
-    """Concatenates the samples but keeps the pending output's request-level state (finished, cached tokens)."""
-    finished, cached = pending.finished, pending.num_cached_tokens
-    merged = reference_merge_delta(pending, new)
-    merged.finished, merged.num_cached_tokens = finished, cached
-    return merged
-
-
-def merge_delta_drops_logprobs(pending: RequestOutput, new: RequestOutput) -> RequestOutput:
-    """Concatenates text and tokens but keeps only the newer output's logprobs."""
-    logprobs = {c.index: c.logprobs for c in new.outputs}
-    merged = reference_merge_delta(pending, new)
-    for completion in merged.outputs:
-        if logprobs.get(completion.index) is not None:
-            completion.logprobs = logprobs[completion.index]
-    return merged
+def run_busy_loop_survives_a_failing_step(core: EngineCoreProc, input_queue: MessageQueue, output_queue: MessageQueue,
+                                          parent_alive: Callable[[], bool]) -> None:
+    """Catches a step's exception to keep serving the other requests (HANG): the broken request fails every step
+    after, the loop spins, and no caller ever hears that the engine is dead."""
+    _loop(core, input_queue, output_queue, parent_alive, swallow_step_errors=True)
 
 
 # --- RequestOutputCollector ----------------------------------------------------------------------------------------
@@ -132,7 +109,7 @@ class CollectorKeepsTheNewest(RequestOutputCollector):
         self._ready.set()
 
 
-class CollectorNeverClears(RequestOutputCollector):
+class CollectorNeverTakes(RequestOutputCollector):
     """Hands out the pending output without taking it: the reader gets the same tokens again and again."""
 
     async def get(self) -> RequestOutput:
@@ -161,7 +138,162 @@ class CollectorNeverWakes(RequestOutputCollector):
     """Stores the output but never signals it: a reader already waiting sleeps through it."""
 
     def put(self, output: RequestOutput) -> None:
-        self._output = output if self._output is None else reference_merge_delta(self._output, output)
+        self._output = output if self._output is None else merge_delta(self._output, output)
+
+
+class CollectorNeverClearsTheEvent(RequestOutputCollector):
+    """Sets the event in `put` but never clears it (HANG): once one output has been read, `get` with nothing
+    pending goes round its loop for ever without waiting, and the event loop it runs on stops."""
+
+    async def get(self) -> RequestOutput:
+        while self._output is None and self._error is None:
+            await self._ready.wait()
+        if self._output is None:
+            raise self._error
+        output, self._output = self._output, None
+        return output
+
+
+class CollectorMergesByPosition(RequestOutputCollector):
+    """Merges a new output into the pending one itself, sample by sample in list order, text and tokens only:
+    with n > 1 a step lists only the samples that moved, so samples get each other's tokens, and logprobs are lost."""
+
+    def put(self, output: RequestOutput) -> None:
+        if self._output is None:
+            self._output = output
+        else:
+            for earlier, completion in zip(self._output.outputs, output.outputs):
+                earlier.text += completion.text
+                earlier.token_ids = earlier.token_ids + completion.token_ids
+                earlier.finish_reason = completion.finish_reason
+            self._output.finished = output.finished
+        self._ready.set()
+
+
+# --- generate ------------------------------------------------------------------------------------------------------
+
+
+async def generate_never_aborts(llm: AsyncLLM, prompt: str | list[int], params: SamplingParams, request_id: str,
+                                priority: int = 0) -> AsyncIterator[RequestOutput]:
+    """Streams the outputs but never aborts: a caller that leaves early leaves its request running to the end."""
+    collector = await llm.add_request(request_id, prompt, params, priority)
+    finished = False
+    while not finished:
+        output = await collector.get()
+        finished = output.finished
+        yield output
+
+
+async def generate_aborts_only_when_cancelled(llm: AsyncLLM, prompt: str | list[int], params: SamplingParams,
+                                              request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+    """Aborts on CancelledError only: a caller that closes the stream (GeneratorExit at the `yield`, what a server
+    does when a streaming client leaves) leaves its request running."""
+    collector = await llm.add_request(request_id, prompt, params, priority)
+    finished = False
+    try:
+        while not finished:
+            output = await collector.get()
+            finished = output.finished
+            yield output
+    except asyncio.CancelledError:
+        await llm.abort(request_id)
+        raise
+
+
+async def generate_aborts_only_when_closed(llm: AsyncLLM, prompt: str | list[int], params: SamplingParams,
+                                           request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+    """Aborts on GeneratorExit only: a caller whose task is cancelled (CancelledError at the `await`) leaves its
+    request running."""
+    collector = await llm.add_request(request_id, prompt, params, priority)
+    finished = False
+    try:
+        while not finished:
+            output = await collector.get()
+            finished = output.finished
+            yield output
+    except GeneratorExit:
+        await llm.abort(request_id)
+        raise
+
+
+async def generate_always_aborts(llm: AsyncLLM, prompt: str | list[int], params: SamplingParams, request_id: str,
+                                 priority: int = 0) -> AsyncIterator[RequestOutput]:
+    """Aborts in `finally` whether or not the request finished: a late close aborts whatever request has taken the
+    id since."""
+    collector = await llm.add_request(request_id, prompt, params, priority)
+    finished = False
+    try:
+        while not finished:
+            output = await collector.get()
+            finished = output.finished
+            yield output
+    finally:
+        await llm.abort(request_id)
+
+
+async def generate_marks_finished_after_the_yield(llm: AsyncLLM, prompt: str | list[int], params: SamplingParams,
+                                                  request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+    """Notes `finished` only after the caller comes back for more: a caller that stops at the finished output
+    closes a stream that still thinks its request runs, and it is aborted (or whatever request has the id now)."""
+    collector = await llm.add_request(request_id, prompt, params, priority)
+    finished = False
+    try:
+        while not finished:
+            output = await collector.get()
+            yield output
+            finished = output.finished
+    finally:
+        if not finished:
+            await llm.abort(request_id)
+
+
+async def generate_swallows_errors(llm: AsyncLLM, prompt: str | list[int], params: SamplingParams, request_id: str,
+                                   priority: int = 0) -> AsyncIterator[RequestOutput]:
+    """Catches what the collector raises and ends the stream quietly: when the core dies the caller sees a short
+    answer, not EngineDeadError."""
+    collector = await llm.add_request(request_id, prompt, params, priority)
+    finished = False
+    try:
+        while not finished:
+            output = await collector.get()
+            finished = output.finished
+            yield output
+    except Exception:
+        return
+    finally:
+        if not finished:
+            await llm.abort(request_id)
+
+
+async def generate_ignores_finished(llm: AsyncLLM, prompt: str | list[int], params: SamplingParams, request_id: str,
+                                    priority: int = 0) -> AsyncIterator[RequestOutput]:
+    """Never looks at `finished` (HANG): after the last output it waits on the collector for ever."""
+    collector = await llm.add_request(request_id, prompt, params, priority)
+    finished = False
+    try:
+        while True:
+            output = await collector.get()
+            finished = finished or output.finished
+            yield output
+    finally:
+        if not finished:
+            await llm.abort(request_id)
+
+
+async def generate_aborts_a_refused_submit(llm: AsyncLLM, prompt: str | list[int], params: SamplingParams,
+                                           request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+    """Submits inside the `try`: a request refused for an id still in use is "aborted", and the abort hits the
+    request that holds the id."""
+    finished = False
+    try:
+        collector = await llm.add_request(request_id, prompt, params, priority)
+        while not finished:
+            output = await collector.get()
+            finished = output.finished
+            yield output
+    finally:
+        if not finished:
+            await llm.abort(request_id)
 
 
 # --- until_disconnected --------------------------------------------------------------------------------------------
@@ -218,45 +350,6 @@ async def until_disconnected_cancels_without_waiting(receive: Callable[[], Await
     return task.result()
 
 
-# --- serving_metrics -----------------------------------------------------------------------------------------------
-
-
-def serving_metrics_tpot_over_every_token(timelines: list[RequestTimeline], duration: float) -> dict:
-    """Divides the time after the first token by all the output tokens, not by the ones after the first."""
-    metrics = serving_metrics(timelines, duration)
-    done = [t for t in timelines if t.error is None]
-    metrics["tpot_s"] = summary([(t.e2e - t.ttft) / t.output_tokens for t in done if t.output_tokens > 1])
-    return metrics
-
-
-def serving_metrics_itl_from_the_send(timelines: list[RequestTimeline], duration: float) -> dict:
-    """Measures inter-token latencies from the request's send time, so the first one is the TTFT."""
-    metrics = serving_metrics(timelines, duration)
-    done = [t for t in timelines if t.error is None]
-    metrics["itl_s"] = summary([gap for t in done for gap in np.diff([t.sent, *t.chunk_times]).tolist()])
-    return metrics
-
-
-def serving_metrics_counts_failures(timelines: list[RequestTimeline], duration: float) -> dict:
-    """Counts failed requests as completed in the request throughput."""
-    metrics = serving_metrics(timelines, duration)
-    metrics["request_throughput"] = len(timelines) / duration
-    return metrics
-
-
-def serving_metrics_p99_is_the_max(timelines: list[RequestTimeline], duration: float) -> dict:
-    """Takes the slowest value for the 99th percentile (no interpolation between the two largest)."""
-    metrics = serving_metrics(timelines, duration)
-    done = [t for t in timelines if t.error is None]
-    for key, values in (("ttft_s", [t.ttft for t in done]), ("e2e_s", [t.e2e for t in done]),
-                        ("itl_s", [gap for t in done for gap in t.itls]),
-                        ("tpot_s", [tpot for t in done if (tpot := t.tpot) is not None])):
-        if values:
-            metrics[key] = dict(metrics[key], p99=float(max(values)))
-    metrics["normalized_latency_s_per_token"] = normalized_latency(done)
-    return metrics
-
-
 MUTANTS = {
     "run_busy_loop_one_message_per_step": {"run_busy_loop": run_busy_loop_one_message_per_step},
     "run_busy_loop_never_reports_idle": {"run_busy_loop": run_busy_loop_never_reports_idle},
@@ -265,30 +358,33 @@ MUTANTS = {
         "run_busy_loop": run_busy_loop_finishes_the_batch_before_stopping,
     },
     "run_busy_loop_outlives_its_front_end": {"run_busy_loop": run_busy_loop_outlives_its_front_end},
-    "merge_delta_keeps_the_newest": {"merge_delta": merge_delta_keeps_the_newest},
-    "merge_delta_by_position": {"merge_delta": merge_delta_by_position},
-    "merge_delta_keeps_the_first_finish": {"merge_delta": merge_delta_keeps_the_first_finish},
-    "merge_delta_drops_logprobs": {"merge_delta": merge_delta_drops_logprobs},
+    "run_busy_loop_reads_only_while_idle": {"run_busy_loop": run_busy_loop_reads_only_while_idle},
+    "run_busy_loop_survives_a_failing_step": {"run_busy_loop": run_busy_loop_survives_a_failing_step},
     "collector_keeps_the_newest": {"RequestOutputCollector": CollectorKeepsTheNewest},
-    "collector_never_clears": {"RequestOutputCollector": CollectorNeverClears},
+    "collector_never_takes": {"RequestOutputCollector": CollectorNeverTakes},
     "collector_error_first": {"RequestOutputCollector": CollectorErrorFirst},
     "collector_never_wakes": {"RequestOutputCollector": CollectorNeverWakes},
+    "collector_never_clears_the_event": {"RequestOutputCollector": CollectorNeverClearsTheEvent},
+    "collector_merges_by_position": {"RequestOutputCollector": CollectorMergesByPosition},
+    "generate_never_aborts": {"generate": generate_never_aborts},
+    "generate_aborts_only_when_cancelled": {"generate": generate_aborts_only_when_cancelled},
+    "generate_aborts_only_when_closed": {"generate": generate_aborts_only_when_closed},
+    "generate_always_aborts": {"generate": generate_always_aborts},
+    "generate_marks_finished_after_the_yield": {"generate": generate_marks_finished_after_the_yield},
+    "generate_swallows_errors": {"generate": generate_swallows_errors},
+    "generate_ignores_finished": {"generate": generate_ignores_finished},
+    "generate_aborts_a_refused_submit": {"generate": generate_aborts_a_refused_submit},
     "until_disconnected_never_cancels": {"until_disconnected": until_disconnected_never_cancels},
     "until_disconnected_any_message": {"until_disconnected": until_disconnected_any_message},
     "until_disconnected_leaves_the_watcher": {"until_disconnected": until_disconnected_leaves_the_watcher},
     "until_disconnected_cancels_without_waiting": {"until_disconnected": until_disconnected_cancels_without_waiting},
-    "serving_metrics_tpot_over_every_token": {"serving_metrics": serving_metrics_tpot_over_every_token},
-    "serving_metrics_itl_from_the_send": {"serving_metrics": serving_metrics_itl_from_the_send},
-    "serving_metrics_counts_failures": {"serving_metrics": serving_metrics_counts_failures},
-    "serving_metrics_p99_is_the_max": {"serving_metrics": serving_metrics_p99_is_the_max},
 }
 
 # For every exercise, a mutant that makes the capstone (a live server on SmolLM2, streamed and whole requests, two
-# clients that hang up, the serving metrics of the streamed ones) fail: the capstone really runs each exercise.
+# clients that hang up) fail: the capstone really runs each exercise.
 CAPSTONE_MUTANTS = {
     "run_busy_loop": "run_busy_loop_never_reports_idle",
-    "merge_delta": "merge_delta_keeps_the_newest",
     "RequestOutputCollector": "collector_never_wakes",
+    "generate": "generate_never_aborts",
     "until_disconnected": "until_disconnected_never_cancels",
-    "serving_metrics": "serving_metrics_tpot_over_every_token",
 }

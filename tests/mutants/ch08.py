@@ -3,9 +3,12 @@
 Class exercises are mutated by subclassing the reference and overriding the method that goes wrong.
 """
 
+from concurrent.futures import Executor, Future
+
 import torch
 
-from solutions.structured_output.bitmask import pack_token_bitmask, unpack_token_bitmask
+from solutions.core.sched.output import SchedulerOutput, sampling_rows
+from solutions.structured_output.bitmask import allocate_token_bitmask, pack_token_bitmask, unpack_token_bitmask
 from solutions.structured_output.choice import ChoiceGrammar, TokenTexts
 
 # --- pack_token_bitmask --------------------------------------------------------------------------------------------
@@ -51,6 +54,18 @@ def pack_token_bitmask_int64_words(token_ids: list[int], num_words: int) -> torc
     for token_id in set(token_ids):
         words[token_id // 32] |= 1 << (token_id % 32)
     return torch.tensor(words, dtype=torch.int64)
+
+
+def pack_token_bitmask_words_reversed(token_ids: list[int], num_words: int) -> torch.Tensor:
+    """Puts the words in the wrong order (the row read as one big number, most significant word first): token 0
+    lands in the last word."""
+    return _pack(token_ids, num_words).flip(0)
+
+
+def pack_token_bitmask_sized_by_the_ids(token_ids: list[int], num_words: int) -> torch.Tensor:
+    """Makes as many words as the largest id needs, ignoring `num_words`: a row too short whenever the last
+    words allow nothing (and the vocabulary's last, partly used word is often one of them)."""
+    return _pack(token_ids, max(token_ids, default=-1) // 32 + 1)
 
 
 # --- apply_token_bitmask -------------------------------------------------------------------------------------------
@@ -103,6 +118,85 @@ def apply_token_bitmask_in_place(logits: torch.Tensor, bitmask: torch.Tensor) ->
 def apply_token_bitmask_allows_past_the_mask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """Leaves the tokens the mask has no bit for (a padded vocabulary's last ids) allowed."""
     return logits.masked_fill(~_allowed(bitmask, logits.shape[-1], past_the_mask=True), float("-inf"))
+
+
+def apply_token_bitmask_float32_terms(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Builds the additive 0 / -inf mask in float32 whatever the logits are: bf16 logits come back promoted to
+    float32 (and on a GPU the mask is made on the host)."""
+    allowed = unpack_token_bitmask(bitmask, logits.shape[-1])
+    return logits + torch.where(allowed, 0.0, float("-inf")).to(logits.device)
+
+
+# --- submit_grammar_bitmask ----------------------------------------------------------------------------------------
+
+
+def _fill(grammars: list, bitmask: torch.Tensor) -> torch.Tensor:
+    for row, grammar in enumerate(grammars):
+        if grammar is not None:
+            grammar.fill_bitmask(bitmask, row)
+    return bitmask
+
+
+def submit_grammar_bitmask_per_scheduled_sequence(
+    scheduler_output: SchedulerOutput, executor: Executor, vocab_size: int
+) -> "Future[torch.Tensor] | None":
+    """One row per scheduled sequence: a prompt chunk that samples nothing gets a row, forked samples get none,
+    so the mask no longer lines up with the logits rows."""
+    grammars = [seq.grammar for seq in scheduler_output.scheduled_seqs]
+    if all(grammar is None for grammar in grammars):
+        return None
+    return executor.submit(_fill, grammars, allocate_token_bitmask(len(grammars), vocab_size))
+
+
+def submit_grammar_bitmask_row_owner_grammar(
+    scheduler_output: SchedulerOutput, executor: Executor, vocab_size: int
+) -> "Future[torch.Tensor] | None":
+    """Fills each row from the grammar of the sequence that owns the logits row (`sampling_rows`' row indices): a
+    forked sample gets its parent's mask, not its own grammar's."""
+    rows, _ = sampling_rows(scheduler_output)
+    grammars = [scheduler_output.scheduled_seqs[row].grammar for row in rows]
+    if all(grammar is None for grammar in grammars):
+        return None
+    return executor.submit(_fill, grammars, allocate_token_bitmask(len(grammars), vocab_size))
+
+
+def submit_grammar_bitmask_fills_inline(
+    scheduler_output: SchedulerOutput, executor: Executor, vocab_size: int
+) -> "Future[torch.Tensor] | None":
+    """Fills every row on the caller's thread, then hands the executor a job that returns the mask: right masks, but
+    the forward pass waits for the fill instead of running beside it."""
+    grammars = [seq.grammar for seq in sampling_rows(scheduler_output)[1]]
+    if all(grammar is None for grammar in grammars):
+        return None
+    bitmask = _fill(grammars, allocate_token_bitmask(len(grammars), vocab_size))
+    return executor.submit(lambda: bitmask)
+
+
+def submit_grammar_bitmask_done_before_the_fill(
+    scheduler_output: SchedulerOutput, executor: Executor, vocab_size: int
+) -> "Future[torch.Tensor] | None":
+    """Starts the fill on the executor but returns a future that is already done, holding the tensor the fill is
+    still writing: whoever waits on it does not wait for the fill, and samples through a half-filled mask."""
+    grammars = [seq.grammar for seq in sampling_rows(scheduler_output)[1]]
+    if all(grammar is None for grammar in grammars):
+        return None
+    bitmask = allocate_token_bitmask(len(grammars), vocab_size)
+    executor.submit(_fill, grammars, bitmask)
+    ready: Future = Future()
+    ready.set_result(bitmask)
+    return ready
+
+
+def submit_grammar_bitmask_zeros_for_unconstrained(
+    scheduler_output: SchedulerOutput, executor: Executor, vocab_size: int
+) -> "Future[torch.Tensor] | None":
+    """Starts every row at zero (nothing allowed) and fills only the rows with a grammar: an unconstrained sample
+    in the same batch has every token forbidden."""
+    grammars = [seq.grammar for seq in sampling_rows(scheduler_output)[1]]
+    if all(grammar is None for grammar in grammars):
+        return None
+    bitmask = torch.zeros(len(grammars), (vocab_size + 31) // 32, dtype=torch.int32)
+    return executor.submit(_fill, grammars, bitmask)
 
 
 # --- ChoiceGrammar -------------------------------------------------------------------------------------------------
@@ -211,6 +305,53 @@ class ChoiceGrammarAcceptsAnything(ChoiceGrammar):
         return True
 
 
+class ChoiceGrammarDecodesTokens(ChoiceGrammar):
+    """Works on decoded text: each token's bytes decoded alone, those that decode to no whole character dropped
+    (what `batch_decode` then a check for "\ufffd" does), so a choice in CJK text or emoji, or an "é" written as two
+    tokens, cannot be produced."""
+
+    def __init__(self, choices: list[str], tokens: TokenTexts) -> None:
+        texts = [text.decode("utf-8", errors="replace") for text in tokens.texts]
+        ids_by_text: dict[bytes, list[int]] = {}
+        for token_id, text in enumerate(texts):
+            if text and "\ufffd" not in text:
+                ids_by_text.setdefault(text.encode(), []).append(token_id)
+        super().__init__(choices, TokenTexts([t.encode() for t in texts], ids_by_text, tokens.eos_token_id))
+
+
+class ChoiceGrammarFirstFittingChoiceOnly(ChoiceGrammar):
+    """Follows only the first choice the text is a prefix of: with choices that share a first token ("Lon",
+    "London", "Lyon" after "L"), the others are cut off."""
+
+    def allowed_token_ids(self) -> list[int]:
+        if self.ended:
+            return []
+        allowed = set()
+        for choice in self.choices:
+            if choice.startswith(self.text):
+                rest = choice[len(self.text) :]
+                for end in range(1, len(rest) + 1):
+                    allowed.update(self.tokens.ids_by_text.get(rest[:end], []))
+                break
+        if self.text in self.choices and self.tokens.eos_token_id is not None:
+            allowed.add(self.tokens.eos_token_id)
+        return sorted(allowed)
+
+
+class ChoiceGrammarRescansTheVocabulary(ChoiceGrammar):
+    """Right answers, but tests every token of the vocabulary at every call: 49,152 string comparisons per
+    constrained sample per step."""
+
+    def allowed_token_ids(self) -> list[int]:
+        if self.ended:
+            return []
+        allowed = [token_id for token_id, text in enumerate(self.tokens.texts)
+                   if text and any(choice.startswith(self.text + text) for choice in self.choices)]
+        if self.text in self.choices and self.tokens.eos_token_id is not None:
+            allowed.append(self.tokens.eos_token_id)
+        return sorted(allowed)
+
+
 class ChoiceGrammarOrsIntoTheRow(ChoiceGrammar):
     """ORs the allowed tokens' bits into its row, as if the row started empty; the engine's rows start with every
     bit set (unconstrained), so nothing is ever forbidden."""
@@ -225,6 +366,8 @@ MUTANTS = {
     "pack_token_bitmask_31_per_word": {"pack_token_bitmask": pack_token_bitmask_31_per_word},
     "pack_token_bitmask_overflows_int32": {"pack_token_bitmask": pack_token_bitmask_overflows_int32},
     "pack_token_bitmask_int64_words": {"pack_token_bitmask": pack_token_bitmask_int64_words},
+    "pack_token_bitmask_words_reversed": {"pack_token_bitmask": pack_token_bitmask_words_reversed},
+    "pack_token_bitmask_sized_by_the_ids": {"pack_token_bitmask": pack_token_bitmask_sized_by_the_ids},
     "apply_token_bitmask_zero_for_forbidden": {"apply_token_bitmask": apply_token_bitmask_zero_for_forbidden},
     "apply_token_bitmask_big_negative": {"apply_token_bitmask": apply_token_bitmask_big_negative},
     "apply_token_bitmask_msb_first": {"apply_token_bitmask": apply_token_bitmask_msb_first},
@@ -232,18 +375,32 @@ MUTANTS = {
     "apply_token_bitmask_inverted": {"apply_token_bitmask": apply_token_bitmask_inverted},
     "apply_token_bitmask_in_place": {"apply_token_bitmask": apply_token_bitmask_in_place},
     "apply_token_bitmask_allows_past_the_mask": {"apply_token_bitmask": apply_token_bitmask_allows_past_the_mask},
+    "apply_token_bitmask_float32_terms": {"apply_token_bitmask": apply_token_bitmask_float32_terms},
+    "submit_grammar_bitmask_per_scheduled_sequence": {
+        "submit_grammar_bitmask": submit_grammar_bitmask_per_scheduled_sequence},
+    "submit_grammar_bitmask_row_owner_grammar": {"submit_grammar_bitmask": submit_grammar_bitmask_row_owner_grammar},
+    "submit_grammar_bitmask_fills_inline": {"submit_grammar_bitmask": submit_grammar_bitmask_fills_inline},
+    "submit_grammar_bitmask_done_before_the_fill": {
+        "submit_grammar_bitmask": submit_grammar_bitmask_done_before_the_fill},
+    "submit_grammar_bitmask_zeros_for_unconstrained": {
+        "submit_grammar_bitmask": submit_grammar_bitmask_zeros_for_unconstrained},
     "ChoiceGrammarCanonicalTokensOnly": {"ChoiceGrammar": ChoiceGrammarCanonicalTokensOnly},
     "ChoiceGrammarEndsAnywhere": {"ChoiceGrammar": ChoiceGrammarEndsAnywhere},
     "ChoiceGrammarStopsAtFirstChoice": {"ChoiceGrammar": ChoiceGrammarStopsAtFirstChoice},
     "ChoiceGrammarAllowsEmptyTokens": {"ChoiceGrammar": ChoiceGrammarAllowsEmptyTokens},
     "ChoiceGrammarAcceptsAnything": {"ChoiceGrammar": ChoiceGrammarAcceptsAnything},
     "ChoiceGrammarOrsIntoTheRow": {"ChoiceGrammar": ChoiceGrammarOrsIntoTheRow},
+    "ChoiceGrammarDecodesTokens": {"ChoiceGrammar": ChoiceGrammarDecodesTokens},
+    "ChoiceGrammarFirstFittingChoiceOnly": {"ChoiceGrammar": ChoiceGrammarFirstFittingChoiceOnly},
+    "ChoiceGrammarRescansTheVocabulary": {"ChoiceGrammar": ChoiceGrammarRescansTheVocabulary},
 }
 
 # One mutant per exercise that must make the capstone fail: each lets the sampler pick a token the grammar
-# forbids, and the engine refuses it (RuntimeError: "... which its grammar's mask forbids").
+# forbids, and the engine refuses it (RuntimeError: "... which its grammar's mask forbids"), or, for the hand-off,
+# gives a mask whose rows are not the step's sampling rows (the capstone's n=3 choice request forks two samples).
 CAPSTONE_MUTANTS = {
     "pack_token_bitmask": "pack_token_bitmask_msb_first",
     "apply_token_bitmask": "apply_token_bitmask_msb_first",
+    "submit_grammar_bitmask": "submit_grammar_bitmask_per_scheduled_sequence",
     "ChoiceGrammar": "ChoiceGrammarOrsIntoTheRow",
 }

@@ -3,19 +3,22 @@
 Class exercises are mutated by subclassing the reference and overriding the method that goes wrong.
 """
 
+import multiprocessing
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from solutions.core.sched.output import SchedulerOutput
 from solutions.distributed import layers
 from solutions.distributed.layers import Partition, split_evenly
-from solutions.distributed.parallel_state import all_reduce, tp_size
+from solutions.distributed.parallel_state import all_reduce, broadcast_object, tp_size
 from solutions.model.config import ModelConfig
+from solutions.worker.model_runner import ModelRunner
 
-# The reference functions, taken when this module is loaded: inside a capstone's `swap_in`, `layers.partition` and
-# `layers.shard_weight` are the mutant itself, and a mutant that deferred to them would only recurse.
+# The reference functions, taken when this module is loaded: inside a capstone's `swap_in`, `layers.partition` is
+# the mutant itself, and a mutant that deferred to it would only recurse.
 reference_partition = layers.partition
-reference_shard_weight = layers.shard_weight
 
 # --- partition ----------------------------------------------------------------------------------------------------
 
@@ -65,52 +68,13 @@ def partition_never_refuses(config: ModelConfig, tp_size: int) -> list[Partition
         strict=False)]
 
 
-# --- shard_weight -------------------------------------------------------------------------------------------------
-
-
-def _cut(tensor: torch.Tensor, dim: int, span: tuple[int, int]) -> torch.Tensor:
-    return tensor.narrow(dim, span[0], span[1] - span[0])
-
-
-def shard_weight_o_proj_by_rows(name: str, tensor: torch.Tensor, part: Partition, head_dim: int) -> torch.Tensor:
-    """Cuts o_proj like q_proj, by output rows: but o_proj's output is the hidden state every rank needs whole;
-    its input (the attention heads' outputs) is what the rank holds a slice of."""
-    if name.endswith("o_proj.weight"):
-        return _cut(tensor, 0, (part.q_heads[0] * head_dim, part.q_heads[1] * head_dim))
-    return reference_shard_weight(name, tensor, part, head_dim)
-
-
-def shard_weight_kv_by_query_heads(name: str, tensor: torch.Tensor, part: Partition, head_dim: int) -> torch.Tensor:
-    """Cuts k_proj and v_proj by the rank's query-head range, as if every query head had its own K/V head."""
-    if name.split(".")[-2] in ("k_proj", "v_proj"):
-        return _cut(tensor, 0, (part.q_heads[0] * head_dim, part.q_heads[1] * head_dim))
-    return reference_shard_weight(name, tensor, part, head_dim)
-
-
-def shard_weight_kv_heads_from_zero(name: str, tensor: torch.Tensor, part: Partition, head_dim: int) -> torch.Tensor:
-    """Keeps as many K/V heads as the rank holds, but always the first ones: rank 1 of SmolLM2 gets K/V heads 0
-    and 1 instead of 1 and 2 (the right shape, the wrong heads)."""
-    if name.split(".")[-2] in ("k_proj", "v_proj"):
-        return _cut(tensor, 0, (0, (part.kv_heads[1] - part.kv_heads[0]) * head_dim))
-    return reference_shard_weight(name, tensor, part, head_dim)
-
-
-def shard_weight_without_head_dim(name: str, tensor: torch.Tensor, part: Partition, head_dim: int) -> torch.Tensor:
-    """Cuts q_proj's rows by head numbers, forgetting that each head is head_dim rows."""
-    if name.split(".")[-2] == "q_proj":
-        return _cut(tensor, 0, part.q_heads)
-    return reference_shard_weight(name, tensor, part, head_dim)
-
-
-def shard_weight_splits_row_parallel_bias(name: str, tensor: torch.Tensor, part: Partition,
-                                          head_dim: int) -> torch.Tensor:
-    """Cuts o_proj's and down_proj's bias like their weights' columns: but a row-parallel layer's bias belongs to
-    its (whole) output, and is added once after the all-reduce."""
-    if name.endswith("o_proj.bias"):
-        return _cut(tensor, 0, (part.q_heads[0] * head_dim, part.q_heads[1] * head_dim))
-    if name.endswith("down_proj.bias"):
-        return _cut(tensor, 0, part.intermediate)
-    return reference_shard_weight(name, tensor, part, head_dim)
+def partition_refuses_without_naming_the_option(config: ModelConfig, tp_size: int) -> list[Partition]:
+    """Refuses the right splits, with a message that names neither `tensor_parallel_size` nor what would work: the
+    user who set the option is left to guess."""
+    kv, group = config.num_key_value_heads, config.num_queries_per_kv
+    if kv < tp_size and (tp_size % kv or group % (tp_size // kv)):
+        raise ValueError(f"cannot split {config.num_attention_heads} query heads over {tp_size} ranks")
+    return reference_partition(config, tp_size)
 
 
 # --- RowParallelLinear --------------------------------------------------------------------------------------------
@@ -147,6 +111,15 @@ class RowParallelLinearReducesToRankZero(layers.RowParallelLinear):
         out = F.linear(x, self.weight)
         dist.reduce(out, dst=0)
         return out if self.bias is None else out + self.bias
+
+
+class RowParallelLinearReturnsFloat32(layers.RowParallelLinear):
+    """Sums the partial products in float32 for precision, and forgets to cast back: a bf16 model's hidden state
+    turns float32 at the first o_proj."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = all_reduce(F.linear(x.float(), self.weight.float()))
+        return out if self.bias is None else out + self.bias.float()
 
 
 # --- VocabParallelEmbedding ---------------------------------------------------------------------------------------
@@ -190,32 +163,122 @@ class VocabParallelEmbeddingEndInclusive(layers.VocabParallelEmbedding):
         return all_reduce(rows * mine[:, None].to(rows.dtype))
 
 
+class VocabParallelEmbeddingFloatMask(layers.VocabParallelEmbedding):
+    """Multiplies by the mask as float32 (`mine.float()`): right in float32, but bf16 rows come back float32."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        rows = F.embedding(torch.where(mine, input_ids - self.vocab_start, 0), self.weight)
+        return all_reduce(rows * mine[:, None].float())
+
+
+# --- execute_model_in_lockstep (rank 0's side of a step) ------------------------------------------------------------
+
+
+def lockstep_rank_zero_only(model_runner: ModelRunner, workers: list[multiprocessing.process.BaseProcess],
+                            scheduler_output: SchedulerOutput) -> torch.Tensor:
+    """Runs rank 0's forward pass and sends nothing: the workers wait for a broadcast while rank 0 waits for them in
+    the embedding's all-reduce, until the group's timeout."""
+    return model_runner.execute_model(scheduler_output)
+
+
+def lockstep_forward_then_broadcast(model_runner: ModelRunner, workers: list[multiprocessing.process.BaseProcess],
+                                    scheduler_output: SchedulerOutput) -> torch.Tensor:
+    """Runs rank 0's forward pass first and broadcasts the step after it: rank 0's first all-reduce meets workers
+    still waiting for the step, and neither side ever gets what it waits for."""
+    logits = model_runner.execute_model(scheduler_output)
+    broadcast_object(scheduler_output)
+    return logits
+
+
+def lockstep_without_naming_the_dead(model_runner: ModelRunner, workers: list[multiprocessing.process.BaseProcess],
+                                     scheduler_output: SchedulerOutput) -> torch.Tensor:
+    """Broadcasts and runs, and lets gloo's error through as it is: the caller reads "Connection closed by peer"
+    and cannot tell that a worker died, nor which."""
+    broadcast_object(scheduler_output)
+    return model_runner.execute_model(scheduler_output)
+
+
+def lockstep_swallows_a_failed_step(model_runner: ModelRunner, workers: list[multiprocessing.process.BaseProcess],
+                                    scheduler_output: SchedulerOutput) -> torch.Tensor:
+    """Catches the failed collective to keep the engine going, and returns no logits: the caller hears nothing of
+    the dead worker, and the next thing to break is the sampler, far from the cause."""
+    try:
+        broadcast_object(scheduler_output)
+        return model_runner.execute_model(scheduler_output)
+    except RuntimeError:
+        return torch.empty(0, model_runner.model.config.vocab_size)
+
+
+# --- worker_busy_loop (ranks 1..N-1) -------------------------------------------------------------------------------
+
+
+def worker_receives_but_never_runs(runner: ModelRunner) -> None:
+    """Receives every step and stops at None, but runs nothing, leaving rank 0 alone in the step's all-reduces (the
+    worker thinks only rank 0 computes)."""
+    while broadcast_object() is not None:
+        pass
+
+
+def worker_runs_one_step(runner: ModelRunner) -> None:
+    """Runs the first step it receives and returns: no loop, so the second broadcast finds the worker gone."""
+    scheduler_output = broadcast_object()
+    if scheduler_output is not None:
+        runner.execute_model(scheduler_output)
+
+
+def worker_never_stops(runner: ModelRunner) -> None:
+    """Skips a `None` step as if it were empty, instead of returning: at shutdown the worker waits for a step that
+    never comes, until its broadcast fails or it is killed."""
+    while True:
+        scheduler_output = broadcast_object()
+        if scheduler_output is not None:
+            runner.execute_model(scheduler_output)
+
+
+def worker_swallows_step_errors(runner: ModelRunner) -> None:
+    """Catches a step that raises and goes back to wait for the next broadcast, to keep the worker alive: rank 0,
+    inside that step's all-reduce, waits for it for ever (until the group's timeout). A HANG mutant."""
+    while (scheduler_output := broadcast_object()) is not None:
+        try:
+            runner.execute_model(scheduler_output)
+        except Exception:  # noqa: BLE001 — the mistake
+            continue
+
+
 MUTANTS = {
     "partition_splits_query_heads_evenly": {"partition": partition_splits_query_heads_evenly},
     "partition_replicates_kv_heads_round_robin": {"partition": partition_replicates_kv_heads_round_robin},
     "partition_drops_the_remainder": {"partition": partition_drops_the_remainder},
     "partition_never_refuses": {"partition": partition_never_refuses},
-    "shard_weight_o_proj_by_rows": {"shard_weight": shard_weight_o_proj_by_rows},
-    "shard_weight_kv_by_query_heads": {"shard_weight": shard_weight_kv_by_query_heads},
-    "shard_weight_kv_heads_from_zero": {"shard_weight": shard_weight_kv_heads_from_zero},
-    "shard_weight_without_head_dim": {"shard_weight": shard_weight_without_head_dim},
-    "shard_weight_splits_row_parallel_bias": {"shard_weight": shard_weight_splits_row_parallel_bias},
+    "partition_refuses_without_naming_the_option": {"partition": partition_refuses_without_naming_the_option},
     "row_parallel_linear_bias_per_rank": {"RowParallelLinear": RowParallelLinearBiasPerRank},
     "row_parallel_linear_without_all_reduce": {"RowParallelLinear": RowParallelLinearWithoutAllReduce},
     "row_parallel_linear_averages": {"RowParallelLinear": RowParallelLinearAverages},
     "row_parallel_linear_reduces_to_rank_zero": {"RowParallelLinear": RowParallelLinearReducesToRankZero},
+    "row_parallel_linear_returns_float32": {"RowParallelLinear": RowParallelLinearReturnsFloat32},
     "vocab_parallel_embedding_clamps_without_masking": {
         "VocabParallelEmbedding": VocabParallelEmbeddingClampsWithoutMasking,
     },
     "vocab_parallel_embedding_without_offset": {"VocabParallelEmbedding": VocabParallelEmbeddingWithoutOffset},
     "vocab_parallel_embedding_without_all_reduce": {"VocabParallelEmbedding": VocabParallelEmbeddingWithoutAllReduce},
     "vocab_parallel_embedding_end_inclusive": {"VocabParallelEmbedding": VocabParallelEmbeddingEndInclusive},
+    "vocab_parallel_embedding_float_mask": {"VocabParallelEmbedding": VocabParallelEmbeddingFloatMask},
+    "lockstep_rank_zero_only": {"execute_model_in_lockstep": lockstep_rank_zero_only},
+    "lockstep_forward_then_broadcast": {"execute_model_in_lockstep": lockstep_forward_then_broadcast},
+    "lockstep_without_naming_the_dead": {"execute_model_in_lockstep": lockstep_without_naming_the_dead},
+    "lockstep_swallows_a_failed_step": {"execute_model_in_lockstep": lockstep_swallows_a_failed_step},
+    "worker_receives_but_never_runs": {"worker_busy_loop": worker_receives_but_never_runs},
+    "worker_runs_one_step": {"worker_busy_loop": worker_runs_one_step},
+    "worker_never_stops": {"worker_busy_loop": worker_never_stops},
+    "worker_swallows_step_errors": {"worker_busy_loop": worker_swallows_step_errors},
 }
 
 # One mutant per exercise that must also break the capstone (the capstone runs every piece).
 CAPSTONE_MUTANTS = {
     "partition": "partition_splits_query_heads_evenly",
-    "shard_weight": "shard_weight_kv_heads_from_zero",
     "RowParallelLinear": "row_parallel_linear_without_all_reduce",
     "VocabParallelEmbedding": "vocab_parallel_embedding_clamps_without_masking",
+    "execute_model_in_lockstep": "lockstep_rank_zero_only",
+    "worker_busy_loop": "worker_runs_one_step",
 }

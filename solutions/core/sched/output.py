@@ -85,6 +85,10 @@ class GrammarOutput:
         return self.future.result()
 
 
+# A chunk of a prompt's logprobs: (the prompt position of its first token, then per token (top, (logprob, rank))).
+PromptLogprobsChunk = tuple[int, list[tuple[list[tuple[int, float]], tuple[float, int]]]]
+
+
 @dataclass(slots=True)
 class ModelRunnerOutput:
     """One sampled token per sampling sequence, in `sampling_rows`' order, and where the runner's time went."""
@@ -94,6 +98,9 @@ class ModelRunnerOutput:
     logprobs: list[list[tuple[int, float]] | None]  # per row: the top `logprobs` (token, logprob), or None
     sampled_logprobs: list[tuple[float, int]]  # per row: the sampled token's (logprob, rank among all tokens)
     seconds: dict[str, float] = field(default_factory=dict)  # "prepare", "forward", "sample"
+    # seq_id -> (first prompt position j, per prompt token j, j + 1, ...: its (top, (logprob, rank))), for this
+    # step's chunk of each prompt whose logprobs are wanted
+    prompt_logprobs: dict[int, PromptLogprobsChunk] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -107,6 +114,7 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None  # the stop token id that ended it
     num_cached_tokens: int | None = None  # set in the step the request's prompt was looked up in the prefix cache
+    new_prompt_logprobs: PromptLogprobsChunk | None = None  # this step's chunk of the prompt's logprobs
 
 
 @dataclass(slots=True)

@@ -48,7 +48,6 @@ from solutions.core.sched.output import (
     GrammarOutput,
     ModelRunnerOutput,
     SchedulerOutput,
-    sampling_rows,
 )
 from solutions.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from solutions.core.sched.stop import check_stop
@@ -244,10 +243,10 @@ class SchedulerBase:
     def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
         """Start filling the token masks of the step's sampling rows (None when none has a grammar): on the
         structured output manager's thread, so the fill overlaps the forward pass."""
-        grammars = [seq.grammar for seq in sampling_rows(scheduler_output)[1]]
-        if all(grammar is None for grammar in grammars):
+        if self.structured_output_manager is None:
             return None
-        return GrammarOutput(self.structured_output_manager.submit_bitmask(grammars))
+        future = self.structured_output_manager.grammar_bitmask(scheduler_output)
+        return None if future is None else GrammarOutput(future)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput, schedule_seconds: float = 0.0
@@ -261,6 +260,7 @@ class SchedulerBase:
             seqs[seq_id].request_id: scheduler_output.num_cached_tokens.get(seq_id, 0)
             for seq_id in scheduler_output.new_seq_ids if seq_id in seqs
         }
+        prompt_logprobs = dict(model_output.prompt_logprobs)  # seq_id -> this step's chunk of its prompt logprobs
         outputs = []
         for b, seq_id in enumerate(model_output.seq_ids):
             seq, token_id = seqs[seq_id], model_output.sampled_token_ids[b]
@@ -282,8 +282,13 @@ class SchedulerBase:
             outputs.append(EngineCoreOutput(
                 seq.request_id, seq.sample_index, [token_id], logprobs, finish_reason, stop_reason,
                 num_cached.pop(seq.request_id, None) if seq.sample_index == 0 else None,
+                prompt_logprobs.pop(seq_id, None),
             ))
         outputs += [EngineCoreOutput(request_id, 0, [], num_cached_tokens=n) for request_id, n in num_cached.items()]
+        outputs += [  # prompt chunks that sampled nothing yet
+            EngineCoreOutput(seqs[seq_id].request_id, 0, [], new_prompt_logprobs=chunk)
+            for seq_id, chunk in prompt_logprobs.items()
+        ]
         seconds = {"schedule": schedule_seconds, **model_output.seconds, "postprocess": time.perf_counter() - start}
         return EngineCoreOutputs(outputs, self.make_stats(scheduler_output, seconds))
 

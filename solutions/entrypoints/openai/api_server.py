@@ -5,11 +5,14 @@
     POST /v1/chat/completions   serving_chat.py           GET /health      200, or 503 once the engine is dead
                                                           GET /metrics     Prometheus text (solutions/metrics/)
 
-One event loop serves every client: a handler only awaits (the engine's outputs, the client's connection), and
-the forward passes run in the engine core's own process or thread, so the loop stays free to accept, parse and
-stream while the model computes. Every refusal has OpenAI's error shape,
-`{"error": {"message", "type", "param", "code"}}`: 400 for a bad request (pydantic's own 422 included, with
-the field it failed on as `param`), 404 for an unknown model, 500 if the engine died.
+One event loop serves every client: a handler only awaits (the engine's outputs, the client's connection, a
+worker thread that renders or tokenises), and the forward passes run in the engine core's own process or thread,
+so the loop stays free to accept, parse and stream while the model computes. A request body over
+`MAX_REQUEST_BODY_BYTES` is refused before it is read (when its Content-Length says so) or as soon as it passes
+the limit: no prompt that fits any context needs that much, and a server must not buffer whatever it is sent.
+Every refusal has OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad request
+(pydantic's own 422 included, with the field it failed on as `param`), 404 for an unknown model, 413 for a body
+too large, 500 if the engine died.
 
 Where this lives in vLLM: `vllm/entrypoints/openai/api_server.py` (`build_app`, `run_server`).
 """
@@ -33,8 +36,10 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from solutions.engine.arg_utils import AsyncEngineArgs, engine_args_from_kwargs
 from solutions.engine.async_llm import AsyncLLM, EngineDeadError
@@ -51,6 +56,9 @@ from solutions.entrypoints.openai.serving_engine import ClientDisconnected, erro
 from solutions.model.loader import DEFAULT_MODEL
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client left first": logged, never seen by anyone
+# The largest request body read. A prompt of max_model_len tokens is at most max_model_len × 81 characters
+# (Processor.tokenize's bound), a few MB even for long contexts and JSON's escapes; vLLM sets no limit.
+MAX_REQUEST_BODY_BYTES = 32 * 2**20
 
 
 def error_json(message: str, status: HTTPStatus, param: str | None = None) -> JSONResponse:
@@ -74,8 +82,42 @@ def validation_error_json(error: RequestValidationError) -> JSONResponse:
     return error_json("; ".join(problems), HTTPStatus.BAD_REQUEST, param)
 
 
-def build_app(engine: AsyncLLM) -> FastAPI:
+class RequestBodyLimit:
+    """ASGI middleware: a 413 for a request body over `max_bytes`, at once if its Content-Length says so (the body
+    is not read), else as soon as the bytes read pass the limit (a chunked body). (Starlette's own limit answers
+    in plain text; this answers in OpenAI's error shape.)"""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    def too_large(self) -> HTTPException:
+        message = f"the request body is larger than this server's limit of {self.max_bytes} bytes"
+        return HTTPException(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, message)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await error_json(self.too_large().detail, HTTPStatus.REQUEST_ENTITY_TOO_LARGE)(scope, receive, send)
+            return
+        received = 0
+
+        async def receive_within_limit() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise self.too_large()  # FastAPI re-raises it from the body's parsing: on_http_error answers
+            return message
+
+        await self.app(scope, receive_within_limit, send)
+
+
+def build_app(engine: AsyncLLM, max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="paged-attention-from-scratch: OpenAI-compatible server")
+    app.add_middleware(RequestBodyLimit, max_bytes=max_request_body_bytes)
     completions, chat = OpenAIServingCompletion(engine), OpenAIServingChat(engine)
 
     @app.post("/v1/completions")

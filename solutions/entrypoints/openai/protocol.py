@@ -6,25 +6,40 @@ Structured output comes in OpenAI's `response_format` (`{"type": "json_schema", 
 most one of them per request.
 
 Requests are pydantic models, so a wrong type or a missing field is caught before the engine sees anything, with
-the field's name. Unlike vLLM (which accepts and ignores fields it does not know), a field that is not declared
-here is refused, as OpenAI's own API refuses an unrecognised argument: a typo such as `max_token` would otherwise
-silently generate 16 tokens. Beside OpenAI's fields, the ones vLLM adds for its sampler: `top_k`, `min_p`,
-`ignore_eos`, `stop_token_ids` (the `openai` client sends them through `extra_body`).
+the field's name. What a request may hold is vLLM's surface, because the clients people point at a server are
+written for vLLM's: its benchmark client always sends `"repetition_penalty": 1.0`, lm-evaluation-harness sends
+`echo` and `seed`, the `openai` client `user` and `metadata`. So, as vLLM's `OpenAIBaseModel` does:
+- a field this server does not know is accepted and ignored, with a logged warning naming it (the price: a typo
+  such as `max_token` is ignored too, and generates 16 tokens; the warning is where it shows — vLLM 0.32 logs
+  the same line at debug level, earlier versions as a warning);
+- a field it knows is used: OpenAI's, and vLLM's sampler extensions (`top_k`, `min_p`, `ignore_eos`,
+  `stop_token_ids`, the penalties, `min_tokens`, `logit_bias`, `allowed_token_ids`, `prompt_logprobs`,
+  `bad_words`), each passed to the `SamplingParams` field of the same name, which checks its value (the `openai`
+  client sends vLLM's through `extra_body`);
+- a known feature this engine does not implement (beam search, `suffix`, tools...) is accepted at the value
+  that changes nothing (`"use_beam_search": false`, `"tools": []`) and refused with a 400 naming the field at any
+  other value: ignoring it would answer a different question than the one asked.
 
 The values themselves are checked once, by `SamplingParams`; its ValueError comes back as a `RequestError`
 naming the request's field (`max_completion_tokens` rather than `SamplingParams.max_tokens`).
 
-Where this lives in vLLM: `vllm/entrypoints/openai/protocol.py`.
+Where this lives in vLLM: `vllm/entrypoints/openai/completion/protocol.py`, `.../chat_completion/protocol.py`
+and `vllm/entrypoints/serve/engine/protocol.py` (`OpenAIBaseModel`).
 """
 
+import json
+import logging
 import time
 from http import HTTPStatus
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, ValidationInfo, field_validator, model_validator
 
 from solutions.exceptions import ParameterError
+from solutions.outputs import Logprob
 from solutions.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
@@ -39,11 +54,20 @@ class RequestError(ValueError):
 
 
 class OpenAIRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A request object: fields it does not declare are accepted and ignored, with a warning that names them."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _warn_about_ignored_fields(self) -> "OpenAIRequest":
+        if self.model_extra:
+            logger.warning("The following fields were present in the request but ignored: %s", sorted(self.model_extra))
+        return self
 
 
 class StreamOptions(OpenAIRequest):
     include_usage: bool = False  # one last chunk, with no choices, carrying the request's token counts
+    continuous_usage_stats: bool = False  # vLLM's extension: every chunk carries the counts so far
 
 
 class JsonSchemaFormat(OpenAIRequest):
@@ -94,6 +118,44 @@ class SamplingFields(OpenAIRequest):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # the penalties (OpenAI's presence/frequency, vLLM's repetition) and vLLM's other sampler extensions
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's form: token id (as a string) -> bias added to its logit
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None  # vLLM's extension: the top-k logprobs of every prompt token
+    bad_words: list[str] | None = None  # words the output must not contain (as token sequences)
+    # known features without an engine behind them: see UNSUPPORTED_FIELDS
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    logprob_token_ids: list[int] | None = None
+    return_tokens_as_token_ids: bool | None = None
+    # OpenAI's bookkeeping: who asked, and the caller's own tags; nothing to do with them here
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+
+    # `SamplingParams` fields the request passes on under the same name, when given
+    SAMPLER_FIELDS: ClassVar[tuple[str, ...]] = (
+        "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "logit_bias",
+        "allowed_token_ids", "prompt_logprobs", "bad_words",
+    )
+    # fields this engine does not implement -> the values that change nothing (the only ones accepted)
+    UNSUPPORTED_FIELDS: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "use_beam_search": (False,),
+        "length_penalty": (1.0,),
+        "include_stop_str_in_output": (False,),
+        "skip_special_tokens": (True,),  # the detokenizer always skips them
+        "spaces_between_special_tokens": (True,),
+        "truncate_prompt_tokens": (None,),
+        "logprob_token_ids": (None,),
+        "return_tokens_as_token_ids": (None, False),
+    }
 
     @field_validator("stream_options")
     @classmethod
@@ -101,6 +163,35 @@ class SamplingFields(OpenAIRequest):
         if value is not None and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed with stream: true")
         return value
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and info.data.get("stream"):  # 0 (only each prompt token's own logprob) is allowed, as in vLLM
+            raise ValueError("prompt_logprobs are not available with stream: true (echo them instead)")
+        return value
+
+    def refuse_unsupported(self) -> None:
+        """RequestError naming the first field this engine does not implement that is set to a value that
+        would change the result."""
+        for name, neutral in self.UNSUPPORTED_FIELDS.items():
+            value = getattr(self, name)
+            if value not in neutral:
+                allowed = " or ".join(json.dumps(v) for v in neutral)
+                raise RequestError(
+                    f"{name} is not supported by this server's engine: only {allowed} (which changes nothing) is "
+                    f"accepted, got {json.dumps(value)}", param=name,
+                )
+
+    def sampler_extensions(self) -> dict[str, Any]:
+        """The `SAMPLER_FIELDS` the request sets, as `SamplingParams` keywords (`logit_bias` keyed by int)."""
+        given = {name: getattr(self, name) for name in self.SAMPLER_FIELDS if getattr(self, name) is not None}
+        if "logit_bias" in given:
+            try:
+                given["logit_bias"] = {int(token_id): bias for token_id, bias in given["logit_bias"].items()}
+            except ValueError as error:
+                raise RequestError(f"logit_bias keys must be token ids, got {error}", param="logit_bias") from error
+        return given
 
     def request_field(self, sampling_field: str) -> str:
         """The request field a `SamplingParams` field comes from (chat: `max_completion_tokens`, `top_logprobs`)."""
@@ -151,8 +242,10 @@ class SamplingFields(OpenAIRequest):
         `default_max_tokens` (the room left in the context, `max_model_len - prompt length`) stands in for an
         unset `max_tokens`. A bad value raises `RequestError` naming the request's field.
         """
+        self.refuse_unsupported()
         max_tokens = self._requested_max_tokens()
         structured_outputs = self.structured_outputs_params()
+        extensions = self.sampler_extensions()
         try:
             return SamplingParams(
                 n=self.n,
@@ -168,6 +261,7 @@ class SamplingFields(OpenAIRequest):
                 logprobs=self._num_logprobs(),
                 output_kind=RequestOutputKind.DELTA,
                 structured_outputs=structured_outputs,
+                **extensions,
             )
         except ParameterError as error:  # its field, under this request's name for it
             param = self.request_field(error.parameter)
@@ -178,16 +272,46 @@ class SamplingFields(OpenAIRequest):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(SamplingFields):
-    """`POST /v1/completions`. OpenAI's default `max_tokens` is 16; an explicit `null` fills the context."""
+    """`POST /v1/completions`. OpenAI's default `max_tokens` is 16; an explicit `null` fills the context.
+
+    `echo: true` puts the prompt before the completion, and with `logprobs: k` the prompt's logprobs before the
+    completion's (the first prompt token has none: nothing comes before it). `echo` with `max_tokens: 0` returns
+    the prompt alone, as vLLM does: the engine generates one token (it always generates at least one), which the
+    response drops from the text and the logprobs but, as vLLM's, counts in `usage.completion_tokens`. That is
+    how an evaluation harness scores a text: lm-evaluation-harness's `local-completions` asks for `echo`,
+    `logprobs: 1`, `max_tokens: 1` and sums the prompt's token logprobs.
+    """
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
-    logprobs: int | None = None  # the top-k tokens' log-probabilities per generated token
+    logprobs: int | None = None  # the top-k tokens' log-probabilities per generated (and echoed) token
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    UNSUPPORTED_FIELDS: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **SamplingFields.UNSUPPORTED_FIELDS, "suffix": (None, ""), "best_of": (None, 1),
+    }
+
+    @property
+    def echo_without_generation(self) -> bool:
+        return self.echo and self.max_tokens == 0
 
     def _requested_max_tokens(self) -> int | None:
-        return self.max_tokens
+        return 1 if self.echo_without_generation else self.max_tokens
+
+    def sampler_extensions(self) -> dict[str, Any]:
+        """...and with `echo`, the prompt's logprobs as many as `logprobs` asks for (unless set on their own)."""
+        extensions = super().sampler_extensions()
+        if self.echo and self.logprobs is not None:
+            extensions.setdefault("prompt_logprobs", self.logprobs)
+        return extensions
 
     def _num_logprobs(self) -> int | None:
         return self.logprobs
@@ -211,23 +335,54 @@ class TextContentPart(OpenAIRequest):
 
 
 class ChatMessageParam(OpenAIRequest):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextContentPart]
+    """One message. `developer` is OpenAI's newer name for `system` and is given to the template as that; a
+    `tool` message (a tool's result) and an assistant message's `tool_calls` go to the template as they are, and
+    the template decides whether it can render them. An assistant message that only calls tools has no content."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant message: the calls it made
+
+    @model_validator(mode="after")
+    def _content_unless_tool_calls(self) -> "ChatMessageParam":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (only an assistant's tool calls may go without)")
+        return self
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "\n".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template reads it."""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        given = {"name": self.name, "tool_call_id": self.tool_call_id, "tool_calls": self.tool_calls}
+        return message | {key: value for key, value in given.items() if value is not None}
 
 
 class ChatCompletionRequest(SamplingFields):
-    """`POST /v1/chat/completions`. No `max_tokens` (or `max_completion_tokens`, its newer name) fills the context."""
+    """`POST /v1/chat/completions`. No `max_tokens` (or `max_completion_tokens`, its newer name) fills the context.
+
+    `add_generation_prompt` and `continue_final_message` (vLLM's) go to the chat template: the default ends the
+    prompt where the assistant's reply begins; `continue_final_message` instead leaves the last (assistant)
+    message open, to be continued."""
 
     messages: list[ChatMessageParam] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False  # the sampled token's log-probability per generated token
     top_logprobs: int | None = None  # ...and the top-k tokens' (needs logprobs: true)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    UNSUPPORTED_FIELDS: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **SamplingFields.UNSUPPORTED_FIELDS, "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    }
 
     @field_validator("top_logprobs")
     @classmethod
@@ -247,8 +402,16 @@ class ChatCompletionRequest(SamplingFields):
     def _num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    @field_validator("continue_final_message")
+    @classmethod
+    def _one_way_to_end_the_prompt(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt"):
+            raise ValueError("continue_final_message needs add_generation_prompt: false (the prompt ends in the "
+                             "last message, not where a new assistant message begins)")
+        return value
+
+    def conversation(self) -> list[dict[str, Any]]:
+        return [message.for_template() for message in self.messages]
 
 
 # ---- responses ----
@@ -264,13 +427,40 @@ class UsageInfo(BaseModel):
     total_tokens: int
 
 
+LOGPROB_FLOOR = -9999.0  # what OpenAI (and vLLM) send for a logprob of -inf, which JSON cannot hold
+
+
+def json_logprob(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
+PromptLogprobs = list[dict[int, Logprob] | None]  # per prompt token: its top-k and itself; the first has none
+
+
+def _prompt_logprobs_json(value: PromptLogprobs | None) -> list[dict[int, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs` in a response: per prompt token `{token id: {logprob, rank, decoded_token}}`."""
+    if value is None:
+        return None
+    return [
+        None if entry is None else {
+            token_id: dict(logprob=json_logprob(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
+            for token_id, lp in entry.items()
+        }
+        for entry in value
+    ]
+
+
+PromptLogprobsField = Annotated[PromptLogprobs | None, PlainSerializer(_prompt_logprobs_json)]
+
+
 class CompletionLogProbs(BaseModel):
-    """Completions' logprobs: parallel lists, one entry per generated token."""
+    """Completions' logprobs: parallel lists, one entry per token (echoed prompt tokens first; the first prompt
+    token's logprob and top_logprobs are null)."""
 
     text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
 class CompletionChoice(BaseModel):
@@ -279,6 +469,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None  # "stop" or "length"
     stop_reason: int | str | None = None  # vLLM's extension: the stop string or token id that ended it
+    prompt_logprobs: PromptLogprobsField = None  # vLLM's extension, when asked for by `prompt_logprobs`
 
 
 class CompletionResponse(OpenAIResponse):
@@ -324,6 +515,7 @@ class ChatCompletionResponse(OpenAIResponse):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobsField = None  # vLLM's extension, when asked for by `prompt_logprobs`
 
 
 class DeltaMessage(BaseModel):

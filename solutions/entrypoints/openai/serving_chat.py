@@ -2,13 +2,15 @@
 
 The conversation becomes one prompt through the tokenizer's chat template (a Jinja template shipped with the
 model), with `add_generation_prompt=True` so the prompt ends where the assistant's reply begins — exactly what
-`LLM.chat` builds — and from there it is a completion. Streamed, each sample's first chunk carries
+`LLM.chat` builds — and from there it is a completion. The template is rendered in a worker thread: a long
+conversation must not hold up the event loop. Streamed, each sample's first chunk carries
 `delta.role = "assistant"`, later chunks `delta.content`, the last one the `finish_reason`.
 
 Where this lives in vLLM: `vllm/entrypoints/openai/serving_chat.py` (`OpenAIServingChat`) and
 `vllm/entrypoints/chat_utils.py` (`apply_hf_chat_template`).
 """
 
+import asyncio
 from collections.abc import AsyncGenerator
 
 from fastapi import Request
@@ -62,7 +64,8 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_model(request)
-        return await self.generate_response(request, self.render_conversation(request), raw_request)
+        prompt = await asyncio.to_thread(self.render_conversation, request)
+        return await self.generate_response(request, prompt, raw_request)
 
     def render_conversation(self, request: ChatCompletionRequest) -> str:
         """The conversation as one prompt string, through the model's chat template."""
@@ -71,9 +74,12 @@ class OpenAIServingChat(OpenAIServing):
                 "messages need a chat template, and this model has none: use /v1/completions", "messages"
             )
         try:
-            conversation = request.conversation()
-            return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        except TemplateError as error:  # the template's own checks, e.g. roles that must alternate
+            return self.tokenizer.apply_chat_template(
+                request.conversation(), tokenize=False, add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+            )
+        except (TemplateError, ValueError) as error:  # the template's own checks, e.g. roles that must alternate;
+            # Hugging Face's, e.g. continue_final_message after a user message
             raise RequestError(f"messages could not be formatted by the chat template: {error}", "messages") from error
 
     def logprobs(self, request: ChatCompletionRequest, completion: CompletionOutput) -> ChatLogProbs | None:
@@ -94,6 +100,7 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionResponse(
             id=request_id, created=created, model=self.model_name, choices=choices,
             usage=usage_of(len(final.prompt_token_ids), num_generated),
+            prompt_logprobs=final.prompt_logprobs if request.prompt_logprobs is not None else None,
         )
 
     def stream_events(
@@ -106,22 +113,23 @@ class OpenAIServingChat(OpenAIServing):
                 id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
             ))
 
-        def events(output: RequestOutput) -> list[str]:
+        def events(output: RequestOutput, usage: UsageInfo | None) -> list[str]:
             return [
                 chunk(ChatStreamChoice(
                     index=completion.index, delta=DeltaMessage(content=completion.text),
                     logprobs=self.logprobs(request, completion),
                     finish_reason=finish_reason_of(completion), stop_reason=completion.stop_reason,
-                ))
+                ), usage)
                 for completion in output.outputs
                 if completion.token_ids or completion.finish_reason is not None
             ]
 
-        def usage_event(num_generated: int) -> str:
-            return chunk(None, usage_of(len(first.prompt_token_ids), num_generated))
+        def usage_event(usage: UsageInfo) -> str:
+            return chunk(None, usage)
 
         roles = [  # each sample's first chunk names the speaker
             chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
             for index in range(request.n)
         ]
-        return sse_events(first, outputs, events, usage_event if request.include_usage else None, opening=roles)
+        usage_event_if_asked = usage_event if request.include_usage else None
+        return sse_events(first, outputs, events, usage_event_if_asked, request.continuous_usage, opening=roles)

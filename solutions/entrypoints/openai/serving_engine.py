@@ -8,6 +8,11 @@ DELTA outputs, which the endpoint either forwards as SSE chunks (`stream: true`)
 The server always asks for DELTA outputs, even for a whole response: the engine's per-token outputs are what
 the front end times for the latency metrics.
 
+One request never holds up the others. Everything a handler runs on the event loop is short; what can take long
+runs in a worker thread (`asyncio.to_thread`): rendering the chat template and tokenising (half a second per
+megabyte of text). A text too long to fit is refused before it is tokenised (`Processor.tokenize`'s bound), and
+the body itself is capped (api_server.py), so a 10 MB prompt costs the server the time to read and parse it.
+
 A client that goes away must not keep its blocks. A streamed response notices when Starlette cancels the
 stream (it listens for `http.disconnect` while it streams); `ClosingStreamingResponse` then closes the event
 generator, whose `finally` closes `AsyncLLM.generate`, which aborts the request. A whole response has nothing
@@ -19,6 +24,7 @@ Where this lives in vLLM: `vllm/entrypoints/openai/serving_engine.py` (`OpenAISe
 """
 
 import asyncio
+import dataclasses
 import functools
 import time
 import uuid
@@ -102,21 +108,23 @@ SSE_DONE = sse_event("[DONE]")  # OpenAI's end-of-stream marker
 
 
 async def sse_events(
-    first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None], events: Callable[[RequestOutput], list[str]],
-    usage_event: Callable[[int], str] | None, opening: Sequence[str] = (),
+    first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None],
+    events: Callable[[RequestOutput, UsageInfo | None], list[str]], usage_event: Callable[[UsageInfo], str] | None,
+    continuous_usage: bool = False, opening: Sequence[str] = (),
 ) -> AsyncGenerator[str, None]:
-    """A streamed response's events: `opening`, then `events(output)` for `first` and every later output, then
-    (if asked) `usage_event(tokens generated)`, then `data: [DONE]`. Each endpoint says how one output looks."""
+    """A streamed response's events: `opening`, then `events(output, usage)` for `first` and every later output,
+    then (if asked) `usage_event(usage)`, then `data: [DONE]`. Each endpoint says how one output looks; `usage`
+    is the token counts so far with `continuous_usage` (vLLM's `continuous_usage_stats`), else None."""
     for event in opening:
         yield event
-    num_generated, output = 0, first
+    num_prompt, num_generated, output = len(first.prompt_token_ids), 0, first
     while output is not None:
         num_generated += sum(len(completion.token_ids) for completion in output.outputs)
-        for event in events(output):
+        for event in events(output, usage_of(num_prompt, num_generated) if continuous_usage else None):
             yield event
         output = await anext(outputs, None)
     if usage_event is not None:
-        yield usage_event(num_generated)
+        yield usage_event(usage_of(num_prompt, num_generated))
     yield SSE_DONE
 
 
@@ -186,16 +194,18 @@ class OpenAIServing(ABC):
                 param="model", status=HTTPStatus.NOT_FOUND,
             )
 
-    def prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
-        """The prompt as token ids (tokenised as `LLM.generate` does), checked against `max_model_len`."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                message = f"{self.prompt_field} must be token ids: this model has no tokenizer"
-                raise RequestError(message, self.prompt_field)
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = prompt
-        return token_ids
+    async def prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
+        """The prompt as token ids, tokenised as `LLM.generate` does, in a worker thread; a text too long to fit
+        is refused without tokenising it (`Processor.tokenize`). Token ids are checked by the processor later."""
+        if not isinstance(prompt, str):
+            return prompt
+        if self.tokenizer is None:
+            raise RequestError(f"{self.prompt_field} must be token ids: this model has no tokenizer", self.prompt_field)
+        try:
+            return await asyncio.to_thread(self.engine.processor.tokenize, prompt)
+        except ParameterError as error:
+            renamed = self.prompt_field != error.parameter
+            raise RequestError(f"{self.prompt_field}: {error}" if renamed else str(error), self.prompt_field) from error
 
     def sampling_params(self, request: SamplingFields, prompt_token_ids: list[int]) -> SamplingParams:
         """The request's sampling parameters; an absent max_tokens fills the context (the processor refuses a
@@ -225,16 +235,18 @@ class OpenAIServing(ABC):
     async def generate_response(
         self, request: SamplingFields, prompt: str | list[int], raw_request: Request
     ) -> Response:
-        """Run one request through the engine and answer it: SSE chunks if it asked to stream, else one JSON."""
-        prompt_token_ids = self.prompt_token_ids(prompt)
+        """Run one request through the engine and answer it: SSE chunks if it asked to stream, else one JSON.
+        The first (or merged) output carries the prompt's text, when it was given as text (as vLLM's does)."""
+        prompt_token_ids = await self.prompt_token_ids(prompt)
         params = self.sampling_params(request, prompt_token_ids)
         request_id, created = f"{self.request_id_prefix}-{uuid.uuid4().hex}", int(time.time())
         outputs = self.outputs(request, prompt_token_ids, params, request_id)
+        prompt_text = prompt if isinstance(prompt, str) else None
         if request.stream:
-            first = await self.first_output(outputs, raw_request)
+            first = dataclasses.replace(await self.first_output(outputs, raw_request), prompt=prompt_text)
             events = self.stream_events(request, request_id, created, first, outputs)
             return ClosingStreamingResponse(engine_errors_as_events(events), outputs)
-        final = await self.all_outputs(outputs, raw_request)
+        final = dataclasses.replace(await self.all_outputs(outputs, raw_request), prompt=prompt_text)
         return JSONResponse(self.response(request, request_id, created, final).model_dump(mode="json"))
 
     @abstractmethod

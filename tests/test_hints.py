@@ -1,0 +1,139 @@
+"""Hint 2 is a skeleton, not the answer: for every exercise of every chapter, the code of its "Hint 2" (in the
+markdown cell after the exercise cell) must not be the reference the chapter's tests grade against.
+
+Both sides are parsed with `ast`, docstrings and decorators dropped, and compared with `ast.dump` against the
+reference as a whole, each function or class in it, and each function's body (a hint usually shows a body). A
+hint fails when it equals one of them, or when it leaves no gap for the learner (no `...` placeholder and no
+comment such as `# TODO` / `# your code`) and its normalised text (`ast.unparse`) is at least 90% similar
+(difflib) to one of them: the reference with a line or two dropped is still the answer.
+"""
+
+import ast
+import difflib
+import functools
+import inspect
+import re
+import textwrap
+from typing import Any
+
+import nbformat
+import pytest
+
+from grading import CHAPTERS
+from grading.notebook import EXERCISE_TAG, defined_names
+from grading.notebooks import chapter_reference
+
+SIMILARITY_LIMIT = 0.9
+_GAP_COMMENT = re.compile(r"#.*\b(todo|your|fill)\b", re.IGNORECASE)
+_HINT_2 = re.compile(r"<summary>\s*Hint 2.*?</details>", re.DOTALL)
+_CODE_BLOCK = re.compile(r"```(?:python)?\n(.*?)```", re.DOTALL)
+
+
+def chapter_names() -> list[str]:
+    return sorted(p.name for p in CHAPTERS.iterdir() if (p / f"{p.name}.ipynb").exists())
+
+
+def hint_blocks(chapter: str) -> list[tuple[list[str], list[str]]]:
+    """(names an exercise cell defines, the code blocks of its Hint 2) per exercise cell, in notebook order. The
+    hints are in the first markdown cell after the exercise cell (consecutive exercise cells share it)."""
+    nb = nbformat.read(CHAPTERS / chapter / f"{chapter}.ipynb", as_version=4)
+    found = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code" or EXERCISE_TAG not in cell.metadata.get("tags", []):
+            continue
+        hints = next((c.source for c in nb.cells[i + 1:] if c.cell_type == "markdown"), "")
+        hint_2 = _HINT_2.search(hints)
+        found.append((defined_names(cell.source), _CODE_BLOCK.findall(hint_2.group(0)) if hint_2 else []))
+    return found
+
+
+def _strip(tree: ast.AST) -> ast.AST:
+    """Drop docstrings and decorators in place (a Triton kernel's `@triton.jit` is not part of the answer)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            node.decorator_list = []
+        if isinstance(node, ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                    and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+    return tree
+
+
+@functools.cache
+def reference_candidates(chapter: str, name: str) -> list[ast.Module]:
+    """The reference of exercise `name` and each function, class and function body in it, as modules."""
+    reference: Any = chapter_reference(chapter)[name]
+    function = getattr(reference, "fn", reference)  # a Triton JITFunction wraps the Python function
+    tree = _strip(ast.parse(textwrap.dedent(inspect.getsource(function))))
+    candidates = [tree]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            candidates.append(ast.Module(body=[node], type_ignores=[]))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            candidates.append(ast.Module(body=node.body, type_ignores=[]))
+    return candidates
+
+
+def has_gap(code: str) -> bool:
+    """A `...` placeholder (in code or in a comment) or a comment asking the learner to fill something in."""
+    return "..." in code or any(_GAP_COMMENT.search(line) for line in code.splitlines())
+
+
+def hint_problem(code: str, candidates: list[ast.Module]) -> str | None:
+    """Why this Hint 2 code gives the answer away, or None if it does not."""
+    try:
+        hint = _strip(ast.parse(textwrap.dedent(code)))
+    except SyntaxError:  # a fragment: compare its text without comments and blank space
+        hint = None
+    if hint is not None and any(ast.dump(hint) == ast.dump(c) for c in candidates):
+        return "it is the reference (the same code, once docstrings are dropped)"
+    if has_gap(code):
+        return None
+    text = ast.unparse(hint) if hint is not None else " ".join(re.sub(r"#.*", "", code).split())
+    similarity = max(difflib.SequenceMatcher(None, text, ast.unparse(c)).ratio() for c in candidates)
+    if similarity >= SIMILARITY_LIMIT:
+        return (f"it leaves no gap (no `...`, no `# TODO`) and is {similarity:.0%} similar to the reference "
+                f"(limit {SIMILARITY_LIMIT:.0%})")
+    return None
+
+
+EXERCISES = [
+    pytest.param(chapter, names, blocks, id=f"{chapter}:{'+'.join(names)}")
+    for chapter in chapter_names() for names, blocks in hint_blocks(chapter)
+]
+
+
+@pytest.mark.parametrize("chapter, names, blocks", EXERCISES)
+def test_hint_2_is_not_the_reference(chapter, names, blocks):
+    reference = chapter_reference(chapter)
+    graded = [name for name in names if name in reference]
+    assert graded, f"{chapter}: the exercise cell defining {names} has no entry in the test file's REFERENCE"
+    candidates = [c for name in graded for c in reference_candidates(chapter, name)]
+    problems = [(i, problem) for i, code in enumerate(blocks) if (problem := hint_problem(code, candidates))]
+    assert not problems, "\n".join(
+        f"{chapter}, exercise {'/'.join(names)}: Hint 2's code block {i + 1} gives the answer away: {problem}. "
+        "Leave the decisive lines to the learner (`...` or a `# TODO` comment)." for i, problem in problems
+    )
+
+
+# --- the check itself can fail ------------------------------------------------------------------------------------
+
+
+def test_a_hint_2_equal_to_the_reference_is_caught():
+    """The reference's own source as a hint, whole or as its body, with or without its docstring, is flagged;
+    so is the body with a line dropped and no gap; the shipped skeleton passes."""
+    candidates = reference_candidates("05_continuous_batching", "apply_min_p")
+    from solutions.sample.sampler import apply_min_p
+
+    source = textwrap.dedent(inspect.getsource(apply_min_p))
+    body = ast.unparse(candidates[0].body[0].body)
+    assert "the reference" in (hint_problem(source, candidates) or "")
+    assert "the reference" in (hint_problem(body, candidates) or "")
+    assert "the reference" in (hint_problem("# the answer\n" + body + "  # done", candidates) or "")
+    ((_, (skeleton,)),) = [(n, b) for n, b in hint_blocks("05_continuous_batching") if n == ["apply_min_p"]]
+    assert hint_problem(skeleton, candidates) is None, "the shipped skeleton of apply_min_p was flagged"
+    longer = reference_candidates("05_continuous_batching", "allocate_or_preempt")
+    full = ast.unparse(longer[0].body[0].body).splitlines()
+    assert "similar" in (hint_problem("\n".join(full[:-1]), longer) or ""), "the body minus its last line passed"
+    assert hint_problem("\n".join(full[:-1] + ["return ..."]), longer) is None
