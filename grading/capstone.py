@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from grading.impl import Implementation
+from grading.waits import run_bounded
 
 ORACLE_PATH = Path(__file__).with_name("smollm2_oracle.json")
 SWAPPED_PACKAGES = ("solutions", "kernels", "benchmarks")
@@ -54,6 +55,7 @@ NUM_GREEDY_TOKENS = 32  # stored per prompt; a capstone takes a prefix (greedy c
 HF_BEAM_WIDTH = 3
 HF_BEAM_TOKENS = 8
 NUM_BEAM_PROMPTS = 2
+CAPSTONE_SECONDS = 150  # a capstone's engine run: seconds on an idle machine; beyond this, something never returns
 
 
 @functools.cache
@@ -103,14 +105,19 @@ def generate_batch(engine: Any, requests: list[tuple[str | list[int], Any]]) -> 
     `RequestOutput`s in request order (a capstone builds its engine itself, to run it inside `swap_in`)."""
     from solutions.sampling_params import RequestOutputKind
 
-    for i, (prompt, params) in enumerate(requests):
-        engine.add_request(str(i), prompt, dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY))
-    finished: dict[str, Any] = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output
-    return [finished[str(i)] for i in range(len(requests))]
+    def run() -> list[Any]:
+        for i, (prompt, params) in enumerate(requests):
+            engine.add_request(str(i), prompt, dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY))
+        finished: dict[str, Any] = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+        return [finished[str(i)] for i in range(len(requests))]
+
+    return run_bounded(run, CAPSTONE_SECONDS, what="the capstone's engine (add_request, then step until done)",
+                       likely="one of your pieces inside the engine loops or waits for ever (a scheduler loop that "
+                       "never ends, a mask fill or kernel that never returns)")
 
 
 # --- the swap ----------------------------------------------------------------------------------------------------

@@ -28,7 +28,10 @@ request's side in `vllm/v1/structured_output/request.py` and the mask applied in
 
 import functools
 import json
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -59,7 +62,7 @@ class StructuredOutputManager:
         self._tokenizer, self.vocab_size, self.eos_token_id = tokenizer, vocab_size, eos_token_id
         self._model: str | None = None  # where to load the tokenizer from, when it is not given
         self._compile = functools.lru_cache(maxsize=GRAMMAR_CACHE_SIZE)(self._compile_uncached)
-        self._executor: ThreadPoolExecutor | None = None  # started by the first constrained step
+        self._executor: MaskThread | None = None  # started by the first constrained step
 
     @classmethod
     def from_config(cls, model_config: ModelConfig) -> "StructuredOutputManager":
@@ -103,7 +106,7 @@ class StructuredOutputManager:
         """The step's mask, being filled on this manager's thread (`submit_grammar_bitmask`); None when no
         sampling row has a grammar."""
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask")
+            self._executor = MaskThread()
         return submit_grammar_bitmask(scheduler_output, self._executor, self.vocab_size)
 
     def shutdown(self) -> None:
@@ -111,6 +114,35 @@ class StructuredOutputManager:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+
+class MaskThread(Executor):
+    """One daemon thread that runs the mask fills in order. Not a `ThreadPoolExecutor`: its threads are joined
+    when the interpreter exits, so a fill that never returns would keep the process alive for ever."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="bitmask", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable, /, *args, **kwargs) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, fn, args, kwargs))
+        return future
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args, kwargs = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as error:  # handed to whoever waits on the future
+                    future.set_exception(error)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._jobs.put(None)
+        if wait:
+            self._thread.join()
 
 
 def submit_grammar_bitmask(
