@@ -110,6 +110,7 @@ import numpy as np
 
 from benchmarks.workload import MAX_MODEL_LEN as SHAREGPT_MAX_MODEL_LEN
 from benchmarks.workload import sample_lengths
+from solutions.worker.model_runner import ATTENTION_BACKENDS
 
 MODEL = "smollm2-135m"
 SCALE = 16  # every length, and max_model_len, divided by this
@@ -334,7 +335,7 @@ def run_rates(base_url: str, model: str, rates: list[float], args: argparse.Name
 
 
 def serving_server_args(args: argparse.Namespace) -> dict:
-    return dict(max_model_len=args.max_model_len, seed=args.seed)
+    return dict(max_model_len=args.max_model_len, seed=args.seed, attention_backend=args.attention_backend)
 
 
 def fig12_server_args(kv_reservation: str | None, args: argparse.Namespace) -> dict:
@@ -662,6 +663,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--base-url", help="benchmark this running server instead of starting one (not with --fig12)")
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--engine-core", choices=("process", "thread"), default="process")
+    parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
+                        help="of this server (default 'torch'; with --vllm-python 'inductor', the CPU's fast path, "
+                             "since vLLM's server compiles its model too)")
     parser.add_argument("--threshold-factor", type=float, default=THRESHOLD_FACTOR)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--goodput", nargs="+", default=DEFAULT_GOODPUT, metavar="KEY:MS",
@@ -707,6 +711,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--rates must be positive and ascending, got {args.rates}")
     if args.duration is None:
         args.duration = 6.0 if args.quick else 20.0
+    if args.attention_backend is None:
+        args.attention_backend = "inductor" if args.vllm_python else "torch"
     if args.max_model_len is None:
         args.max_model_len = VLLM_CLIENT_MAX_MODEL_LEN if args.client == "vllm" else MAX_MODEL_LEN
     if args.client == "vllm" and args.input_len + args.output_len > args.max_model_len:

@@ -28,6 +28,7 @@ import json
 import multiprocessing
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -211,7 +212,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--save", type=Path, help="also write the JSON object to this file")
     args = parser.parse_args()
-    result = run(args.quick)
+    result = run(args.quick) | {"command": "python -m benchmarks.tensor_parallel " + " ".join(sys.argv[1:])}
     print(json.dumps(result) if args.json else table(result))
     if args.save:
         args.save.write_text(json.dumps(result, indent=1) + "\n")
