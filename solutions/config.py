@@ -9,12 +9,13 @@ a check. The parts follow vLLM's split, so each layer takes the parts it needs:
     scheduler_config  one step's limits: sequences, tokens, prefill chunk; FCFS or priority
     parallel_config   tensor parallelism: how many ranks, who starts them
     device_config     where the weights, the cache and the activations live
+    speculative_config  speculative decoding: how drafts are proposed, how many per step (None: off)
 
 The config is plain data and pickles, so the engine core's process and tensor-parallel workers build themselves
 from the same object.
 
 Where this lives in vLLM: `vllm/config/` (`VllmConfig`, `ModelConfig`, `CacheConfig`, `SchedulerConfig`,
-`ParallelConfig`, `DeviceConfig`).
+`ParallelConfig`, `DeviceConfig`, `SpeculativeConfig` in `vllm/config/speculative.py`).
 """
 
 from dataclasses import dataclass, field
@@ -89,6 +90,19 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: each step, every decoding sequence proposes up to `num_speculative_tokens` draft
+    tokens, and the target model verifies them in its next forward pass. `method` "ngram" (prompt lookup) copies
+    the tokens that followed the longest earlier occurrence of the context's last n tokens, n in
+    [`prompt_lookup_min`, `prompt_lookup_max`]."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+
+
+@dataclass(frozen=True)
 class VllmConfig:
     """Everything the engine was asked for, checked and resolved."""
 
@@ -97,3 +111,4 @@ class VllmConfig:
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
     device_config: DeviceConfig
+    speculative_config: SpeculativeConfig | None = None

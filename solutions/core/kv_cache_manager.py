@@ -173,6 +173,10 @@ class KVCacheManager(BlockManager):
         sequence scheduled in the same step reads them in the same layer after they are written).
         Returns the copies to make, or None — changing nothing — if the free blocks do not suffice.
         `seq.num_computed_tokens` is not changed: the scheduler adds the cached tokens, the runner the rest.
+
+        The new tokens may run past `seq.num_tokens` into its draft tokens (`seq.spec_token_ids`, speculative
+        decoding): they get slots, but only blocks full of the sequence's own tokens are registered — a draft may
+        be rejected, and a block holding one must never be found by a prefix hit.
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
@@ -182,9 +186,10 @@ class KVCacheManager(BlockManager):
         bs = self.block_size
         first_new = seq.num_computed_tokens + len(new_computed_blocks) * bs  # position of the first new token
         num_tokens = first_new + num_new_tokens
-        if num_tokens > seq.num_tokens:
+        if num_tokens > seq.num_tokens + len(seq.spec_token_ids):
             raise ValueError(
-                f"sequence {seq.seq_id} has {seq.num_tokens} tokens; cannot schedule up to position {num_tokens}"
+                f"sequence {seq.seq_id} has {seq.num_tokens} tokens and {len(seq.spec_token_ids)} draft tokens; "
+                f"cannot schedule up to position {num_tokens}"
             )
         num_table_blocks = len(seq.block_table) + len(new_computed_blocks)
         cow_block = first_new // bs  # the block written first; copy it if it holds data and is shared
@@ -204,8 +209,22 @@ class KVCacheManager(BlockManager):
         copies = [self.copy_on_write(seq, cow_block)] if needs_cow else []
         seq.block_table.extend(block.block_id for block in self.block_pool.get_new_blocks(num_fresh - int(needs_cow)))
         if self.enable_prefix_caching:
-            self._cache_full_blocks(seq, first_block=first_new // bs, num_tokens=num_tokens)
+            self._cache_full_blocks(seq, first_block=first_new // bs, num_tokens=min(num_tokens, seq.num_tokens))
         return copies
+
+    def cache_blocks(self, seq: Sequence, start: int, num_tokens: int) -> None:
+        """After a speculative step: register `seq`'s blocks from the one holding position `start` that are full
+        within its first `num_tokens` tokens, all verified and computed (the blocks its accepted drafts filled).
+        Nothing without prefix caching."""
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(seq, first_block=start // self.block_size, num_tokens=num_tokens)
+
+    def free_unverified_blocks(self, seq: Sequence) -> None:
+        """After a speculative step: free `seq`'s blocks past its tokens — they held only rejected drafts, were
+        never registered, and the next step's drafts get fresh ones if they need them."""
+        num_needed = cdiv(seq.num_tokens, self.block_size)
+        self.block_pool.free_blocks(self.block_pool.blocks[b] for b in reversed(seq.block_table[num_needed:]))
+        del seq.block_table[num_needed:]
 
     def _cache_full_blocks(self, seq: Sequence, first_block: int, num_tokens: int) -> None:
         """Register blocks `first_block ..` that are full once `num_tokens` tokens are in (keeps `block_hashes`)."""

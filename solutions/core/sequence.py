@@ -48,8 +48,11 @@ class Sequence:
     - `0 <= num_computed_tokens <= num_tokens`: the first `num_computed_tokens` tokens already have their K/V
       in the cache, or will have once this step's forward pass has run (computed, or found there by prefix
       caching). The scheduler is its one writer: it advances it when it schedules the tokens, and preemption
-      by recompute resets it to 0.
+      by recompute resets it to 0. With speculative decoding it is advanced past the step's draft tokens too
+      (so it exceeds `num_tokens` during the step) and moved back by the rejected ones after it.
     - `block_hashes[i]` is the prefix-cache hash of full block `i` (chapter 4); it only ever grows.
+    - `spec_token_ids` are draft tokens proposed for the positions after `token_ids` (speculative decoding): not
+      part of the sequence until the target model has verified them; cleared when it is preempted.
 
     `priority` (lower runs first) and `arrival` (the order requests came in; forks inherit their parent's) are
     what the scheduler's policies sort by. `fork_seq_ids` are the ids of the samples an `n > 1` request forks
@@ -64,7 +67,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "token_ids", "num_prompt_tokens", "status", "block_table", "num_computed_tokens", "block_hashes",
         "priority", "arrival", "fork_seq_ids", "request_id", "sample_index", "sampling_params", "seed", "generator",
-        "grammar",
+        "grammar", "spec_token_ids",
     )
 
     def __init__(
@@ -88,6 +91,7 @@ class Sequence:
         self.seed: int = 0
         self.generator: torch.Generator | None = None
         self.grammar: Any = None  # a StructuredOutputGrammar
+        self.spec_token_ids: list[int] = []  # draft tokens to verify at the next step
 
     @property
     def num_tokens(self) -> int:

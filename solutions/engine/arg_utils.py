@@ -13,6 +13,7 @@ Where this lives in vLLM: `vllm/engine/arg_utils.py` (`EngineArgs`, `AsyncEngine
 
 import argparse
 import dataclasses
+import json
 import os
 import types
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from solutions.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     VllmConfig,
 )
 from solutions.core.block_manager import cdiv
@@ -45,6 +47,8 @@ ENGINE_CORE_KINDS = ("process", "thread")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # CPU matmuls in float16 are emulated (several times slower than float32 here); bfloat16 runs natively.
 CPU_DTYPES = ("float32", "bfloat16")
+SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
 
 
 def _help(text: str) -> dict[str, str]:
@@ -60,7 +64,9 @@ class EngineArgs:
     path: decode attention reading the paged cache in place, the forward pass compiled at start-up) or "triton"
     (chapter 6's kernels; on a GPU, pure-decode steps replay CUDA graphs). `kv_reservation` turns the engine into
     chapter 2's Orca baselines (each request admitted with blocks for its whole reserved length).
-    `tensor_parallel_size=N` splits the model over N processes (chapter 9), started by this one or by torchrun."""
+    `tensor_parallel_size=N` splits the model over N processes (chapter 9), started by this one or by torchrun.
+    `speculative_config` turns on speculative decoding, as vLLM's keyword: `{"method": "ngram",
+    "num_speculative_tokens": 4, "prompt_lookup_max": 4}` (`SpeculativeConfig`)."""
 
     model: str = field(default=DEFAULT_MODEL, metadata=_help(f"{DEFAULT_MODEL} or a local Hugging Face folder"))
     block_size: int = field(default=16, metadata=_help("tokens per KV block"))
@@ -81,6 +87,9 @@ class EngineArgs:
     tensor_parallel_size: int = field(default=1, metadata=_help("ranks the model is split over"))
     distributed_executor_backend: str = field(default="mp", metadata=_help(f"one of {DISTRIBUTED_EXECUTOR_BACKENDS}"))
     worker_multiproc_method: str = field(default="spawn", metadata=_help(f"one of {WORKER_MULTIPROC_METHODS}"))
+    speculative_config: dict | None = field(
+        default=None, metadata=_help(f"speculative decoding as JSON, keys {SPECULATIVE_KEYS} (default: off)")
+    )
 
     def __post_init__(self) -> None:
         """The checks that need nothing but the values: ParameterError (a ValueError) naming the field."""
@@ -120,6 +129,51 @@ class EngineArgs:
             raise ParameterError(
                 "attention_backend='inductor' is the CPU's fast path (device='cpu'); on a GPU use "
                 "attention_backend='triton'", "attention_backend",
+            )
+        if self.speculative_config is not None:
+            self._check_speculative_config()
+
+    def _speculative_config(self) -> SpeculativeConfig | None:
+        """`speculative_config` as a `SpeculativeConfig`, with vLLM's defaults: prompt_lookup_min and
+        prompt_lookup_max default to each other, and both to 5. ParameterError naming the key at fault."""
+        options = self.speculative_config
+        if options is None:
+            return None
+        name = "speculative_config"
+        if not isinstance(options, dict):
+            raise ParameterError(f"{name} must be a dict (or None), got {type(options).__name__}", name)
+        if unknown := sorted(set(options) - set(SPECULATIVE_KEYS)):
+            raise ParameterError(f"{name} has unknown keys {unknown}; its keys are {SPECULATIVE_KEYS}", name)
+        if options.get("method") not in SPECULATIVE_METHODS:
+            raise ParameterError(
+                f"{name}['method'] must be one of {SPECULATIVE_METHODS}, got {options.get('method')!r}", name
+            )
+        lookup_min, lookup_max = options.get("prompt_lookup_min"), options.get("prompt_lookup_max")
+        lookup_min = lookup_min if lookup_min is not None else lookup_max if lookup_max is not None else 5
+        lookup_max = lookup_max if lookup_max is not None else lookup_min
+        values = dict(options, prompt_lookup_min=lookup_min, prompt_lookup_max=lookup_max)
+        for key in SPECULATIVE_KEYS[1:]:
+            value = values.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ParameterError(f"{name}[{key!r}] must be an int >= 1, got {value!r}", name)
+        if lookup_min > lookup_max:
+            raise ParameterError(
+                f"{name}['prompt_lookup_min'] must be at most prompt_lookup_max={lookup_max}, got {lookup_min}", name
+            )
+        return SpeculativeConfig(**{key: values[key] for key in SPECULATIVE_KEYS})
+
+    def _check_speculative_config(self) -> None:
+        """Its keys, and the options it does not run with yet (ParameterError naming both)."""
+        self._speculative_config()
+        if self.tensor_parallel_size > 1:
+            raise ParameterError(
+                "speculative_config runs with tensor_parallel_size=1 only (the workers do not receive the drafts "
+                f"yet), got tensor_parallel_size={self.tensor_parallel_size}", "speculative_config",
+            )
+        if self.kv_reservation is not None:
+            raise ParameterError(
+                "speculative_config does not run with kv_reservation (the reserving baseline allocates whole "
+                f"lengths up front, not draft slots), got kv_reservation={self.kv_reservation!r}", "speculative_config",
             )
 
     # --- resolution ----------------------------------------------------------------------------------------------
@@ -162,6 +216,7 @@ class EngineArgs:
                 self.tensor_parallel_size, self.distributed_executor_backend, self.worker_multiproc_method
             ),
             device_config=DeviceConfig(device),
+            speculative_config=self._speculative_config(),
         )
 
     def _resolve_device(self) -> torch.device:
@@ -214,8 +269,10 @@ class EngineArgs:
             if kind is bool:
                 group.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=f.default,
                                    help=help_text)
-            else:
-                group.add_argument(_flag(f.name), type=kind, default=f.default, help=help_text)
+            else:  # a dict is given as JSON, as vLLM's --speculative-config
+                group.add_argument(
+                    _flag(f.name), type=json.loads if kind is dict else kind, default=f.default, help=help_text
+                )
         return parser
 
     @classmethod
@@ -231,6 +288,8 @@ class EngineArgs:
                 continue
             if isinstance(value, bool):
                 argv.append(_flag(f.name) if value else "--no-" + _flag(f.name)[2:])
+            elif isinstance(value, dict):
+                argv += [_flag(f.name), json.dumps(value)]
             elif value is not None:
                 argv += [_flag(f.name), str(value)]
         return argv

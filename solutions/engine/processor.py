@@ -134,6 +134,12 @@ class Processor:
                 "SamplingParams.stop needs a tokenizer, and this model folder has none; use stop_token_ids", "stop"
             )
         if params.structured_outputs is not None:
+            if self.vllm_config.speculative_config is not None:
+                raise ParameterError(
+                    f"SamplingParams.structured_outputs of request {request_id!r} does not run with the engine's "
+                    "speculative_config yet (drafts are not checked against the grammar): start the engine without "
+                    "speculative_config", "structured_outputs",
+                )
             if self.tokenizer is None:
                 raise ParameterError(
                     "SamplingParams.structured_outputs needs a tokenizer, and this model folder has none",

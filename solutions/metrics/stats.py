@@ -35,8 +35,10 @@ class SchedulerStats:
     num_preemptions: int = 0  # sequences preempted in this step
     num_scheduled_seqs: int = 0  # the step's batch size
     num_prefill_tokens: int = 0  # scheduled tokens catching up with a prompt (or a recompute)
-    num_decode_tokens: int = 0  # scheduled tokens that are one sequence's newest, sampled token
+    num_decode_tokens: int = 0  # scheduled tokens that are a sequence's newest, sampled token (or its drafts)
     num_cached_tokens: int = 0  # found in the prefix cache by the sequences admitted in this step
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens verified in this step
+    num_accepted_tokens: int = 0  # of those, accepted (vLLM's spec_decode num_accepted_tokens)
     seconds: dict[str, float] = field(default_factory=dict)  # per stage of STEP_STAGES
 
     @property
@@ -52,6 +54,8 @@ class EngineStats:
     num_steps: int = 0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified, and accepted, over every step
+    num_accepted_tokens: int = 0
     batch_sizes: list[int] = field(default_factory=list)  # sequences per step
     peak_blocks_used: int = 0
     steps: list[SchedulerStats] = field(default_factory=list)
@@ -62,6 +66,8 @@ class EngineStats:
         self.num_steps += 1
         self.num_prefill_tokens += scheduler_stats.num_prefill_tokens
         self.num_decode_tokens += scheduler_stats.num_decode_tokens
+        self.num_draft_tokens += scheduler_stats.num_draft_tokens
+        self.num_accepted_tokens += scheduler_stats.num_accepted_tokens
         self.batch_sizes.append(scheduler_stats.num_scheduled_seqs)
         self.peak_blocks_used = max(self.peak_blocks_used, scheduler_stats.num_blocks_used)
         self.steps.append(scheduler_stats)

@@ -143,23 +143,34 @@ class SamplerOutput:
     sampled_logprobs: list[tuple[float, int]]  # per row: the sampled token's (logprob, rank among all tokens)
 
 
-def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
-    token_ids: list[list[int]] | None = None, num_prompt_tokens: list[int] | None = None,
-    eos_token_id: int | None = None,
-) -> SamplerOutput:
-    """One next token per row of `logits` (B, V), row b drawn with params[b] and generators[b].
-
-    `token_ids[b]` (the row's prompt then its output tokens, the first `num_prompt_tokens[b]` the prompt) and the
-    model's `eos_token_id` are needed only when a row has penalties or `min_tokens`."""
-    raw = logits = logits.float()
-    device = logits.device
+def process_logits(
+    logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]] | None = None,
+    num_prompt_tokens: list[int] | None = None, eos_token_id: int | None = None,
+) -> torch.Tensor:
+    """The logits (B, V) in float32 after each row's logit bias and penalties — what greedy rows take the argmax
+    of and sampled rows draw from. `token_ids[b]` (the row's prompt then its output tokens, the first
+    `num_prompt_tokens[b]` the prompt) and the model's `eos_token_id` are needed only when a row has penalties or
+    `min_tokens`."""
+    logits = logits.float()
     if any(p.has_logit_bias or p.has_penalties for p in params) and (token_ids is None or num_prompt_tokens is None):
         raise ValueError("penalties, min_tokens, logit_bias and allowed_token_ids need token_ids and num_prompt_tokens")
     if any(p.has_logit_bias for p in params):
         logits = apply_logit_bias(logits, params, token_ids, num_prompt_tokens, eos_token_id)
     if any(p.has_penalties for p in params):
         logits = penalize(logits, params, token_ids, num_prompt_tokens)
+    return logits
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+    token_ids: list[list[int]] | None = None, num_prompt_tokens: list[int] | None = None,
+    eos_token_id: int | None = None,
+) -> SamplerOutput:
+    """One next token per row of `logits` (B, V), row b drawn with params[b] and generators[b] after
+    `process_logits` (which says when `token_ids`, `num_prompt_tokens` and `eos_token_id` are needed)."""
+    raw = logits.float()
+    logits = process_logits(raw, params, token_ids, num_prompt_tokens, eos_token_id)
+    device = logits.device
     next_ids = logits.argmax(dim=-1)  # (B,) the greedy choice; sampled rows overwrite theirs
     sampled = [b for b, p in enumerate(params) if not p.greedy]
     if sampled:

@@ -22,8 +22,16 @@ chunk's rows (only on those, and only for such requests), and `sample_tokens` re
 front end puts the chunks together. Its prompt is never read from the prefix cache
 (`SamplingParams.skip_reading_prefix_cache`, as vLLM), so every prompt position is computed here.
 
+Speculative decoding (`SpeculativeConfig`): a sequence with k draft tokens in the step
+(`scheduled_spec_decode_tokens`) is fed its newest token and its drafts, and the LM head runs on all k + 1 of its
+rows: row j scores draft j, the last row the token after them. `sample_tokens` then verifies the whole batch with
+`rejection_sample` (a sequence without drafts is an ordinary sample in it), after each row's logit bias and
+penalties over the tokens before that row (drafts included), and gives each sequence its accepted drafts and one
+more token, with the target's logprobs. After sampling, the proposer drafts each sequence's next tokens from its
+tokens after this step (`ModelRunnerOutput.spec_token_ids`). A step without drafts samples as without speculation.
+
 Where this lives in vLLM: `vllm/v1/worker/gpu_model_runner.py` (`_prepare_inputs`, `execute_model`,
-`sample_tokens`).
+`sample_tokens`, `propose_draft_token_ids`).
 """
 
 import time
@@ -32,7 +40,7 @@ import torch
 
 from solutions.attention.paged import AttentionMetadata, KVCache, copy_blocks
 from solutions.attention.torch_backend import TorchAttentionBackend
-from solutions.config import VllmConfig
+from solutions.config import SpeculativeConfig, VllmConfig
 from solutions.core.block_manager import slot_mapping
 from solutions.core.sched.output import (
     GrammarOutput,
@@ -41,8 +49,11 @@ from solutions.core.sched.output import (
     SchedulerOutput,
     sampling_rows,
 )
+from solutions.core.sequence import Sequence
 from solutions.model.llama import LlamaForCausalLM
-from solutions.sample.sampler import gather_logprobs, sample
+from solutions.sample.rejection_sampler import rejection_sample
+from solutions.sample.sampler import gather_logprobs, process_logits, sample
+from solutions.spec_decode.ngram_proposer import NgramProposer
 from solutions.structured_output.bitmask import apply_token_bitmask
 
 ATTENTION_BACKENDS = ("torch", "inductor", "triton")
@@ -62,7 +73,7 @@ def prepare_inputs(
         strict=True,
     ):
         end = start + num_new
-        input_ids += seq.token_ids[start:end]
+        input_ids += seq.token_ids[start:end] + scheduler_output.scheduled_spec_decode_tokens.get(seq.seq_id, [])
         positions += range(start, end)
         slots += slot_mapping(seq.block_table, start, end, block_size)
         query_start_loc.append(query_start_loc[-1] + num_new)
@@ -104,6 +115,18 @@ def prompt_logprobs_rows(
     return rows, chunks
 
 
+def draft_rows(scheduler_output: SchedulerOutput) -> list[int]:
+    """The flat-batch rows that score draft tokens: for each sequence with k drafts, in batch order, the k rows
+    before its last (its newest token's, then its drafts but the last)."""
+    rows: list[int] = []
+    end = 0
+    for seq, num_new in zip(scheduler_output.scheduled_seqs, scheduler_output.num_scheduled_tokens, strict=True):
+        end += num_new
+        num_drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(seq.seq_id, []))
+        rows += range(end - 1 - num_drafts, end - 1)
+    return rows
+
+
 def compute_prompt_logprobs(
     prompt_logits: torch.Tensor, chunks: list[tuple[int, int, list[int], int]]
 ) -> dict[int, PromptLogprobsChunk]:
@@ -133,11 +156,18 @@ class ModelRunner:
     def __init__(
         self, model: LlamaForCausalLM, num_blocks: int, block_size: int, attention_backend: str = "torch", *,
         enforce_eager: bool = False, max_num_seqs: int | None = None, max_model_len: int | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
         self.model, self.block_size = model, block_size
-        self._pending: tuple[torch.Tensor, list, dict[str, float], tuple[torch.Tensor, list]] | None = None
+        # the sampling rows' logits, their sequences, the step's times, its prompt logprobs' logits and chunks, and
+        # each sequence's drafts (None in a step without drafts)
+        self._pending: tuple[torch.Tensor, list, dict[str, float], tuple[torch.Tensor, list], list | None] | None = None
+        self.drafter = None if speculative_config is None else NgramProposer(
+            speculative_config.prompt_lookup_min, speculative_config.prompt_lookup_max,
+            speculative_config.num_speculative_tokens,
+        )
         weight = model.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.kv_cache = KVCache.allocate(model.config, num_blocks, block_size, dtype=self.dtype, device=self.device)
@@ -170,49 +200,105 @@ class ModelRunner:
             num_blocks=cache_config.num_kv_blocks, block_size=cache_config.block_size,
             attention_backend=model_config.attention_backend, enforce_eager=model_config.enforce_eager,
             max_num_seqs=vllm_config.scheduler_config.max_num_seqs, max_model_len=model_config.max_model_len,
+            speculative_config=vllm_config.speculative_config,
         )
         return cls(model, **(options | overrides))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
         """Apply the step's copy-on-write copies, write the new tokens' K/V, and return the logits (B, V) at each
         scheduled sequence's last scheduled token (meaningless for a prompt chunk that is not the last); the rows
-        that sample are kept for `sample_tokens`.
+        that sample, and the rows scoring draft tokens, are kept for `sample_tokens`.
 
         Changes no sequence (the scheduler advanced them when it scheduled the step).
         """
         seconds = {"prepare": 0.0, "forward": 0.0}
         if not scheduler_output.scheduled_seqs:
             empty = torch.empty(0, self.model.config.vocab_size)  # (0, V)
-            self._pending = empty, [], seconds, (empty, [])
+            self._pending = empty, [], seconds, (empty, []), None
             return empty
         extra_rows, prompt_chunks = prompt_logprobs_rows(scheduler_output)  # none unless a request asks
+        spec_rows = draft_rows(scheduler_output) if scheduler_output.scheduled_spec_decode_tokens else []
+        extra_rows += spec_rows
         logits = self.forward(scheduler_output, seconds, torch.tensor(extra_rows) if extra_rows else None)
-        num_seqs = len(scheduler_output.scheduled_seqs)
-        logits, prompt_logits = logits[:num_seqs], logits[num_seqs:]  # (B, V), (E, V)
+        num_seqs, num_prompt_rows = len(scheduler_output.scheduled_seqs), len(extra_rows) - len(spec_rows)
+        prompt_logits = logits[num_seqs : num_seqs + num_prompt_rows]  # (E, V)
         rows, seqs = sampling_rows(scheduler_output)
-        # (N, V): rows may repeat (n > 1 forks share one)
-        self._pending = logits[rows], seqs, seconds, (prompt_logits, prompt_chunks)
-        return logits
+        drafts = None
+        if spec_rows:  # each sampling sequence's rows: its draft rows (after the prompt logprobs' rows), its last
+            spec = scheduler_output.scheduled_spec_decode_tokens
+            drafts = [spec.get(seq.seq_id, []) for seq in seqs]
+            rows_of_drafts, offset = {}, num_seqs + num_prompt_rows  # seq_id -> the rows of its drafts
+            for seq in scheduler_output.scheduled_seqs:
+                rows_of_drafts[seq.seq_id] = range(offset, offset + len(spec.get(seq.seq_id, [])))
+                offset += len(rows_of_drafts[seq.seq_id])
+            # a sample forked this step has no drafts (it shares its parent's last row)
+            rows = [r for row, seq in zip(rows, seqs, strict=True) for r in [*rows_of_drafts.get(seq.seq_id, []), row]]
+        # (N, V), N = the sampling sequences' drafts + 1 each: rows may repeat (n > 1 forks share one)
+        self._pending = logits[rows], seqs, seconds, (prompt_logits, prompt_chunks), drafts
+        return logits[:num_seqs]
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
-        """One token per sampling row of the last `execute_model`, within its grammar's mask if it has one."""
+        """One token per sampling row of the last `execute_model`, within its grammar's mask if it has one; with
+        drafts, each sequence's accepted drafts then one token. Then the next drafts, with speculation on."""
         if self._pending is None:
             raise RuntimeError("sample_tokens() needs an execute_model() first: there are no logits to sample from")
-        logits, seqs, seconds, (prompt_logits, prompt_chunks) = self._pending
+        logits, seqs, seconds, (prompt_logits, prompt_chunks), drafts = self._pending
         self._pending = None
         start = time.perf_counter()
-        if grammar_output is not None:  # structured outputs: only what the grammars allow
-            logits = apply_token_bitmask(logits, grammar_output.bitmask())  # (N, V), the mask (N, W)
-        params = [seq.sampling_params for seq in seqs]
-        sampled = sample(
-            logits, params, [seq.generator for seq in seqs], [seq.token_ids for seq in seqs],
-            [seq.num_prompt_tokens for seq in seqs], self.model.config.eos_token_id,
-        )
+        if drafts is not None:
+            if grammar_output is not None:
+                raise RuntimeError("draft tokens are not checked against grammars: structured outputs run unspeculated")
+            sampled_token_ids, logprobs = self._verify(logits, seqs, drafts)
+        else:
+            if grammar_output is not None:  # structured outputs: only what the grammars allow
+                logits = apply_token_bitmask(logits, grammar_output.bitmask())  # (N, V), the mask (N, W)
+            sampled = sample(
+                logits, [seq.sampling_params for seq in seqs], [seq.generator for seq in seqs],
+                [seq.token_ids for seq in seqs], [seq.num_prompt_tokens for seq in seqs],
+                self.model.config.eos_token_id,
+            )
+            sampled_token_ids = [[token_id] for token_id in sampled.sampled_token_ids]
+            logprobs = [
+                None if top is None else [(top, chosen)]
+                for top, chosen in zip(sampled.logprobs, sampled.sampled_logprobs, strict=True)
+            ]
+        spec_token_ids = None if self.drafter is None else [  # from each sequence's tokens after this step
+            self.drafter.propose(seq.token_ids + new) for seq, new in zip(seqs, sampled_token_ids, strict=True)
+        ]
         seconds["sample"] = time.perf_counter() - start
         return ModelRunnerOutput(
-            [seq.seq_id for seq in seqs], sampled.sampled_token_ids, sampled.logprobs, sampled.sampled_logprobs,
-            seconds, compute_prompt_logprobs(prompt_logits, prompt_chunks),
+            [seq.seq_id for seq in seqs], sampled_token_ids, logprobs, seconds,
+            compute_prompt_logprobs(prompt_logits, prompt_chunks), spec_token_ids,
         )
+
+    def _verify(
+        self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]
+    ) -> tuple[list[list[int]], list[list[tuple[list[tuple[int, float]], tuple[float, int]]] | None]]:
+        """Verify a step's drafts: each sequence's new tokens (its accepted drafts, then one) and, where asked,
+        their logprobs. logits (sum_i (k_i + 1), V): sequence i's k_i draft rows, then its last row."""
+        params, row_params, row_prompt = [seq.sampling_params for seq in seqs], [], []
+        for seq, draft in zip(seqs, drafts, strict=True):
+            row_params += [seq.sampling_params] * (len(draft) + 1)
+            row_prompt += [seq.num_prompt_tokens] * (len(draft) + 1)
+        row_tokens = None  # row j of a sequence sees its tokens and its first j drafts: only bias and penalties read it
+        if any(p.has_logit_bias or p.has_penalties for p in params):
+            row_tokens = [seq.token_ids + draft[:j] for seq, draft in zip(seqs, drafts) for j in range(len(draft) + 1)]
+        processed = process_logits(logits, row_params, row_tokens, row_prompt, self.model.config.eos_token_id)
+        sampled_token_ids = rejection_sample(processed, drafts, params, [seq.generator for seq in seqs])
+        logprobs: list = [None] * len(seqs)
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if wanted:  # the target's raw logprobs at the rows whose tokens were kept
+            first_row = [0]
+            for draft in drafts:
+                first_row.append(first_row[-1] + len(draft) + 1)
+            rows = [first_row[i] + j for i in wanted for j in range(len(sampled_token_ids[i]))]
+            gathered = gather_logprobs(
+                torch.log_softmax(logits[rows].float(), dim=-1), [t for i in wanted for t in sampled_token_ids[i]],
+                [params[i].logprobs for i in wanted for _ in sampled_token_ids[i]],
+            )
+            for i in wanted:
+                logprobs[i], gathered = gathered[: len(sampled_token_ids[i])], gathered[len(sampled_token_ids[i]) :]
+        return sampled_token_ids, logprobs
 
     def forward(
         self, scheduler_output: SchedulerOutput, seconds: dict[str, float] | None = None,

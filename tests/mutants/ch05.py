@@ -575,8 +575,8 @@ def engine_step_never_updates(core: EngineCore) -> EngineCoreOutputs:
     core.model_executor.execute_model(scheduler_output)
     model_output = core.model_executor.sample_tokens(grammar_output)
     _, seqs = sampling_rows(scheduler_output)
-    outputs = [EngineCoreOutput(seq.request_id, seq.sample_index, [token])
-               for seq, token in zip(seqs, model_output.sampled_token_ids, strict=True)]
+    outputs = [EngineCoreOutput(seq.request_id, seq.sample_index, tokens)
+               for seq, tokens in zip(seqs, model_output.sampled_token_ids, strict=True)]
     return EngineCoreOutputs(outputs, core.scheduler.make_stats(scheduler_output, model_output.seconds))
 
 

@@ -2,7 +2,8 @@
 
     SchedulerOutput    the scheduler's decision: which sequences compute which tokens (to the model runner)
     GrammarOutput      the token masks of the step's constrained samples, filled while the forward pass runs
-    ModelRunnerOutput  the runner's answer: one sampled token (and its logprobs) per sampling sequence
+    ModelRunnerOutput  the runner's answer: per sampling sequence its new tokens (one, or with speculative decoding
+                       its accepted drafts then one) and their logprobs, and its next drafts
     EngineCoreOutputs  the scheduler's answer to the front end, after `update_from_output`: per sample, its new
                        tokens and whether it finished, and the step's `SchedulerStats`
 
@@ -27,7 +28,9 @@ class SchedulerOutput:
     """The step's batch, in batch order, and the bookkeeping around it.
 
     Sequence `scheduled_seqs[i]` computes `num_scheduled_tokens[i]` tokens this step, starting at position
-    `num_computed_tokens[i]`: its whole prompt, a chunk of it, or one decode token. The scheduler has already
+    `num_computed_tokens[i]`: its whole prompt, a chunk of it, or one decode token — followed, with speculative
+    decoding, by its draft tokens `scheduled_spec_decode_tokens[seq_id]` (not yet in the sequence's own tokens,
+    so the step's input ids are its tokens from that position, then its drafts). The scheduler has already
     advanced the sequence itself past these tokens when `schedule()` returns (vLLM's `_update_after_schedule`),
     so where the step's tokens start is read here, never from the sequence. Left out, `num_computed_tokens` is
     taken from the sequences as they are when the output is made (a loop without a scheduler, as chapter 3's).
@@ -46,8 +49,9 @@ class SchedulerOutput:
     # admitted seq_id -> tokens found in the prefix cache
     num_cached_tokens: dict[int, int] = field(default_factory=dict)
     num_prefill_tokens: int = 0  # scheduled tokens of sequences catching up with a prompt (or a recompute)
-    num_decode_tokens: int = 0  # scheduled tokens that are one sequence's single newest token
+    num_decode_tokens: int = 0  # scheduled tokens that are a sequence's newest token (and its drafts)
     forked_seqs: dict[int, list[Sequence]] = field(default_factory=dict)  # seq_id -> samples forked from it this step
+    scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> drafts to verify
 
     def __post_init__(self) -> None:
         if self.num_computed_tokens is None:
@@ -91,21 +95,25 @@ PromptLogprobsChunk = tuple[int, list[tuple[list[tuple[int, float]], tuple[float
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    """One sampled token per sampling sequence, in `sampling_rows`' order, and where the runner's time went."""
+    """Per sampling sequence, in `sampling_rows`' order: its new tokens — one sampled token, or with drafts the
+    accepted ones then one more (recovered or bonus) — their logprobs, and where the runner's time went."""
 
     seq_ids: list[int]
-    sampled_token_ids: list[int]
-    logprobs: list[list[tuple[int, float]] | None]  # per row: the top `logprobs` (token, logprob), or None
-    sampled_logprobs: list[tuple[float, int]]  # per row: the sampled token's (logprob, rank among all tokens)
+    sampled_token_ids: list[list[int]]
+    # per sequence, None unless it asked for logprobs: per new token (the top `logprobs` (token, logprob), the
+    # token's own (logprob, rank among all tokens))
+    logprobs: list[list[tuple[list[tuple[int, float]], tuple[float, int]]] | None]
     seconds: dict[str, float] = field(default_factory=dict)  # "prepare", "forward", "sample"
     # seq_id -> (first prompt position j, per prompt token j, j + 1, ...: its (top, (logprob, rank))), for this
     # step's chunk of each prompt whose logprobs are wanted
     prompt_logprobs: dict[int, PromptLogprobsChunk] = field(default_factory=dict)
+    spec_token_ids: list[list[int]] | None = None  # speculative decoding: per sequence, drafts for its next step
 
 
 @dataclass(slots=True)
 class EngineCoreOutput:
-    """What one sample of a request got in one step: its new token, and its finish if it finished."""
+    """What one sample of a request got in one step: its new tokens (one, or more with speculative decoding), and
+    its finish if it finished."""
 
     request_id: str
     index: int  # which of the request's n samples

@@ -25,13 +25,23 @@ After the forward pass, `update_from_output` takes the runner's sampled tokens b
 sequence, advances its grammar, checks the stop conditions, frees what finished, and answers the front end with
 one `EngineCoreOutput` per sample and the step's `SchedulerStats`.
 
+Speculative decoding (`SpeculativeConfig`): a decoding sequence with draft tokens (`seq.spec_token_ids`, proposed
+by the runner after the previous step's sampling) schedules its newest token and its k drafts, 1 + k tokens of the
+budget, with slots for all of them; a budget too small for them all drops the last drafts. The runner verifies
+them in the same forward pass and returns the accepted ones plus one more. `update_from_output` then hands the
+rejected ones back: `num_computed_tokens` — advanced past all k at scheduling — moves back by the number rejected
+(their slots are overwritten by the next step), blocks that held only rejected drafts are freed, and the blocks
+the accepted ones filled are registered in the prefix cache (only the sequence's own, verified tokens are ever
+hashed). A stop inside an accepted run ends it there. Preemption drops the drafts.
+
 The module is split so that each idea can be read (and, in chapter 5, written) on its own: `SchedulerBase`
 holds the queues and the bookkeeping (`_preempt_request` and `update_from_output` among it),
 `allocate_or_preempt` is the decision to preempt, and `Scheduler` adds the one method that decides a step,
 `schedule`.
 
 Where this lives in vLLM: `vllm/v1/core/sched/scheduler.py` (`Scheduler.schedule`, whose loop around
-`allocate_slots` is our `allocate_or_preempt`, `_preempt_request`, `update_from_output`, `get_grammar_bitmask`).
+`allocate_slots` is our `allocate_or_preempt`, `_preempt_request`, `update_from_output`, `get_grammar_bitmask`;
+`spec_token_ids` and the rollback of `num_computed_tokens` for rejected drafts in `update_from_output`).
 """
 
 import importlib
@@ -173,8 +183,10 @@ class SchedulerBase:
         out.num_scheduled_tokens.append(num_new_tokens)
         out.num_computed_tokens.append(seq.num_computed_tokens)  # where its new tokens start
         copies[seq.seq_id] = seq_copies
+        if seq.spec_token_ids:
+            out.scheduled_spec_decode_tokens[seq.seq_id] = list(seq.spec_token_ids)
         if _is_decode(seq, num_new_tokens):
-            out.num_decode_tokens += 1
+            out.num_decode_tokens += num_new_tokens
         else:
             out.num_prefill_tokens += num_new_tokens
 
@@ -187,8 +199,9 @@ class SchedulerBase:
         out.scheduled_seqs.pop(position)
         out.num_computed_tokens.pop(position)
         copies.pop(seq.seq_id, None)  # its copies' destinations are freed with the rest of its blocks
+        out.scheduled_spec_decode_tokens.pop(seq.seq_id, None)
         if _is_decode(seq, num_tokens):
-            out.num_decode_tokens -= 1
+            out.num_decode_tokens -= num_tokens
         else:
             out.num_prefill_tokens -= num_tokens
         return num_tokens
@@ -206,6 +219,7 @@ class SchedulerBase:
         self.running.remove(seq)
         self.kv_cache_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []  # proposed again once it samples
         seq.status = SequenceStatus.PREEMPTED
         self.waiting.prepend(seq)
         out.preempted_seq_ids.append(seq.seq_id)
@@ -251,8 +265,8 @@ class SchedulerBase:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput, schedule_seconds: float = 0.0
     ) -> EngineCoreOutputs:
-        """Append each sampled token to its sequence, advance its grammar, check its stops, free the finished; the
-        step's outputs, one per sampling sequence, and its stats."""
+        """Append each sequence's new tokens, advance its grammar, check its stops, free the finished; hand back
+        rejected drafts and keep the next ones; the step's outputs, one per sampling sequence, and its stats."""
         start = time.perf_counter()
         seqs = {seq.seq_id: seq for seq in scheduler_output.scheduled_seqs}
         seqs.update((child.seq_id, child) for samples in scheduler_output.forked_seqs.values() for child in samples)
@@ -261,26 +275,48 @@ class SchedulerBase:
             for seq_id in scheduler_output.new_seq_ids if seq_id in seqs
         }
         prompt_logprobs = dict(model_output.prompt_logprobs)  # seq_id -> this step's chunk of its prompt logprobs
+        # seq_id -> where its tokens of this step started
+        starts = dict(zip([s.seq_id for s in scheduler_output.scheduled_seqs], scheduler_output.num_computed_tokens))
+        num_draft_tokens = num_accepted_tokens = 0
         outputs = []
         for b, seq_id in enumerate(model_output.seq_ids):
-            seq, token_id = seqs[seq_id], model_output.sampled_token_ids[b]
-            seq.append_token(token_id)
-            if seq.grammar is not None and not seq.grammar.accept_tokens([token_id]):
-                raise RuntimeError(f"sequence {seq.seq_id} sampled token {token_id}, which its grammar's mask forbids")
-            stopped = check_stop(seq, self.eos_token_id, self.max_model_len)
+            seq, sampled = seqs[seq_id], model_output.sampled_token_ids[b]
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(seq_id, [])
+            if drafts:  # the rejected drafts' positions were scheduled, not kept: computed again next step
+                num_draft_tokens += len(drafts)
+                num_accepted_tokens += len(sampled) - 1
+                seq.num_computed_tokens -= len(drafts) + 1 - len(sampled)
+            new_token_ids, stopped = [], None
+            for token_id in sampled:  # a stop inside the run ends it there
+                seq.append_token(token_id)
+                new_token_ids.append(token_id)
+                if seq.grammar is not None and not seq.grammar.accept_tokens([token_id]):
+                    raise RuntimeError(
+                        f"sequence {seq.seq_id} sampled token {token_id}, which its grammar's mask forbids"
+                    )
+                if (stopped := check_stop(seq, self.eos_token_id, self.max_model_len)) is not None:
+                    break
             finish_reason, stop_reason = None, None
             if stopped is not None:
+                # the dropped tail's K/V were computed but are not the sequence's: as after a one-token step
+                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+                seq.spec_token_ids = []
                 status, stop_reason = stopped
                 self.finish(seq, status)
                 finish_reason = FINISH_REASONS[status]
                 samples = self.requests[seq.request_id]
                 if len(samples) == seq.sampling_params.n and all(s.is_finished for s in samples):
                     del self.requests[seq.request_id]  # every sample is done
-            logprobs = None if seq.sampling_params.logprobs is None else [
-                (model_output.logprobs[b], model_output.sampled_logprobs[b])
-            ]
+            else:
+                if drafts:
+                    self.kv_cache_manager.free_unverified_blocks(seq)
+                    self.kv_cache_manager.cache_blocks(seq, starts[seq_id], seq.num_computed_tokens)
+                if model_output.spec_token_ids is not None:
+                    seq.spec_token_ids = self._fit_drafts(seq, model_output.spec_token_ids[b])
+            logprobs = model_output.logprobs[b]
             outputs.append(EngineCoreOutput(
-                seq.request_id, seq.sample_index, [token_id], logprobs, finish_reason, stop_reason,
+                seq.request_id, seq.sample_index, new_token_ids,
+                None if logprobs is None else logprobs[: len(new_token_ids)], finish_reason, stop_reason,
                 num_cached.pop(seq.request_id, None) if seq.sample_index == 0 else None,
                 prompt_logprobs.pop(seq_id, None),
             ))
@@ -290,7 +326,17 @@ class SchedulerBase:
             for seq_id, chunk in prompt_logprobs.items()
         ]
         seconds = {"schedule": schedule_seconds, **model_output.seconds, "postprocess": time.perf_counter() - start}
-        return EngineCoreOutputs(outputs, self.make_stats(scheduler_output, seconds))
+        stats = self.make_stats(scheduler_output, seconds)
+        stats.num_draft_tokens, stats.num_accepted_tokens = num_draft_tokens, num_accepted_tokens
+        return EngineCoreOutputs(outputs, stats)
+
+    def _fit_drafts(self, seq: Sequence, drafts: list[int]) -> list[int]:
+        """The proposed drafts that can still be used: no more than the sequence may still generate, less the one
+        token every step adds, and no position past `max_model_len`."""
+        room = seq.sampling_params.max_tokens - seq.num_output_tokens - 1
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - seq.num_tokens - 1)
+        return drafts[: max(room, 0)]
 
     def make_stats(
         self, scheduler_output: SchedulerOutput | None = None, seconds: dict | None = None
@@ -321,8 +367,11 @@ def advance_computed_tokens(out: SchedulerOutput) -> None:
 
 
 def _is_decode(seq: Sequence, num_new_tokens: int) -> bool:
-    """One new token that is the sequence's newest, sampled one (not the last token of a prompt or recompute)."""
-    return num_new_tokens == 1 and seq.num_computed_tokens + 1 == seq.num_tokens and seq.num_output_tokens > 0
+    """The sequence's newest, sampled token (not the last token of a prompt or recompute) and its drafts."""
+    return (
+        num_new_tokens == 1 + len(seq.spec_token_ids) and seq.num_computed_tokens + 1 == seq.num_tokens
+        and seq.num_output_tokens > 0
+    )
 
 
 def allocate_or_preempt(
@@ -361,8 +410,10 @@ class Scheduler(SchedulerBase):
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget, self.long_prefill_token_threshold)
+            num_behind = seq.num_tokens - seq.num_computed_tokens
+            num_new_tokens = min(num_behind + len(seq.spec_token_ids), budget, self.long_prefill_token_threshold)
             assert num_new_tokens > 0, f"running sequence {seq.seq_id} has nothing to compute"
+            del seq.spec_token_ids[max(num_new_tokens - num_behind, 0) :]  # the drafts the budget leaves room for
             seq_copies, returned = self._allocate_or_preempt(seq, num_new_tokens, out, copies)
             budget += returned
             if seq_copies is None:

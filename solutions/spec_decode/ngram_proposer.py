@@ -1,0 +1,64 @@
+"""The n-gram proposer (prompt lookup decoding): guess the next tokens by copying what followed the last few tokens
+the last time they occurred in the context.
+
+Take the longest suffix of the context whose length n lies in [prompt_lookup_min, prompt_lookup_max] and which
+also occurs earlier in the context (an occurrence may overlap the suffix, it only has to end before the last
+token). Propose the up to `num_speculative_tokens` tokens that followed that occurrence: fewer when the context
+ends first, none when no suffix of an allowed length occurs earlier. Among several earlier occurrences of the
+longest suffix it takes the first (leftmost) one, as vLLM does. It costs no model call, and pays off where the
+output copies its input: code edits, summaries that quote, retrieval answers.
+
+The search is O(L * prompt_lookup_max) numpy work for a context of L tokens: for every earlier position e it
+measures how many tokens ending at e equal the context's last tokens (capped at prompt_lookup_max), one
+vectorised comparison per suffix length. vLLM finds the same match with KMP over the reversed context
+(O(L), compiled with numba).
+
+Where this lives in vLLM: `vllm/v1/spec_decode/ngram_proposer.py` (`NgramProposer`,
+`_find_longest_matched_ngram_and_propose_tokens`).
+"""
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from solutions.exceptions import ParameterError
+
+
+class NgramProposer:
+    """Proposes up to `num_speculative_tokens` draft tokens from the context alone (vLLM's `method="ngram"`)."""
+
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, num_speculative_tokens: int) -> None:
+        for name, value in (
+            ("prompt_lookup_min", prompt_lookup_min), ("prompt_lookup_max", prompt_lookup_max),
+            ("num_speculative_tokens", num_speculative_tokens),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ParameterError(f"{name} must be an int >= 1, got {value!r}", name)
+        if prompt_lookup_max < prompt_lookup_min:
+            raise ParameterError(
+                f"prompt_lookup_max must be >= prompt_lookup_min ({prompt_lookup_min}), got {prompt_lookup_max}",
+                "prompt_lookup_max",
+            )
+        self.min_n = prompt_lookup_min
+        self.max_n = prompt_lookup_max
+        self.k = num_speculative_tokens
+
+    def propose(self, token_ids: Sequence[int]) -> list[int]:
+        """The draft tokens for a sequence whose tokens so far (prompt then output) are `token_ids`; [] if none."""
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        num_tokens = len(tokens)
+        # match_len[e]: how many tokens ending at position e equal the context's last ones (at most max_n), for
+        # every e before the last token; computed one suffix length j at a time while some run is still alive.
+        match_len = np.zeros(max(num_tokens - 1, 0), dtype=np.int64)
+        alive = np.ones_like(match_len, dtype=bool)
+        for j in range(min(self.max_n, num_tokens - 1)):
+            alive[:j] = False  # an occurrence ending at e < j would start before the context
+            alive[j:] &= tokens[: num_tokens - 1 - j] == tokens[num_tokens - 1 - j]
+            if not alive.any():
+                break
+            match_len += alive
+        longest = int(match_len.max(initial=0))
+        if longest < self.min_n:
+            return []
+        start = int(np.argmax(match_len == longest)) + 1  # after the first (leftmost) longest occurrence
+        return tokens[start : start + self.k].tolist()
