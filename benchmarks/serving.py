@@ -413,7 +413,7 @@ def run_fig12(args: argparse.Namespace, vocab_size: int) -> dict:
 
 
 def default_vllm_preload(python: str) -> str | None:
-    """What vLLM's CPU docs preload, those present: TCMalloc (where ../shared/anchors/vllm_cpu_venv.sh unpacks it,
+    """What vLLM's CPU docs preload, those present: TCMalloc (the Debian package `libtcmalloc-minimal4` unpacked
     under $TMPDIR/tcmalloc) then the venv's Intel OpenMP (`VENV/lib/libiomp5.so`, beside `VENV/bin/python`)."""
     candidates = (Path(tempfile.gettempdir()) / "tcmalloc/root/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
                   Path(python).parent.parent / "lib" / "libiomp5.so")
