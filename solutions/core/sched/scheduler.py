@@ -277,15 +277,19 @@ class SchedulerBase:
         prompt_logprobs = dict(model_output.prompt_logprobs)  # seq_id -> this step's chunk of its prompt logprobs
         # seq_id -> where its tokens of this step started
         starts = dict(zip([s.seq_id for s in scheduler_output.scheduled_seqs], scheduler_output.num_computed_tokens))
-        num_draft_tokens = num_accepted_tokens = 0
+        num_drafts = num_draft_tokens = num_accepted_tokens = 0
+        num_accepted_tokens_per_pos: list[int] = []  # position j: drafts accepted at j (so all before it too)
         outputs = []
         for b, seq_id in enumerate(model_output.seq_ids):
             seq, sampled = seqs[seq_id], model_output.sampled_token_ids[b]
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(seq_id, [])
-            if drafts:  # the rejected drafts' positions were scheduled, not kept: computed again next step
-                num_draft_tokens += len(drafts)
-                num_accepted_tokens += len(sampled) - 1
-                seq.num_computed_tokens -= len(drafts) + 1 - len(sampled)
+            num_draft_tokens += len(drafts)
+            num_accepted_tokens += len(sampled) - 1 if drafts else 0
+            if drafts:  # vLLM's SpecDecodingStats.observe_draft: one draft, and its accepted run
+                num_drafts += 1
+                num_accepted_tokens_per_pos += [0] * (len(drafts) - len(num_accepted_tokens_per_pos))
+                for pos in range(len(sampled) - 1):
+                    num_accepted_tokens_per_pos[pos] += 1
             new_token_ids, stopped = [], None
             for token_id in sampled:  # a stop inside the run ends it there
                 seq.append_token(token_id)
@@ -298,7 +302,7 @@ class SchedulerBase:
                     break
             finish_reason, stop_reason = None, None
             if stopped is not None:
-                # the dropped tail's K/V were computed but are not the sequence's: as after a one-token step
+                # the dropped tail's K/V (and any rejected drafts') are not the sequence's: as after a one-token step
                 seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
                 seq.spec_token_ids = []
                 status, stop_reason = stopped
@@ -308,9 +312,8 @@ class SchedulerBase:
                 if len(samples) == seq.sampling_params.n and all(s.is_finished for s in samples):
                     del self.requests[seq.request_id]  # every sample is done
             else:
-                if drafts:
-                    self.kv_cache_manager.free_unverified_blocks(seq)
-                    self.kv_cache_manager.cache_blocks(seq, starts[seq_id], seq.num_computed_tokens)
+                if drafts:  # the rejected drafts' positions were scheduled, not kept: computed again next step
+                    hand_back_rejected_drafts(self.kv_cache_manager, seq, starts[seq_id], len(drafts), len(sampled))
                 if model_output.spec_token_ids is not None:
                     seq.spec_token_ids = self._fit_drafts(seq, model_output.spec_token_ids[b])
             logprobs = model_output.logprobs[b]
@@ -328,6 +331,7 @@ class SchedulerBase:
         seconds = {"schedule": schedule_seconds, **model_output.seconds, "postprocess": time.perf_counter() - start}
         stats = self.make_stats(scheduler_output, seconds)
         stats.num_draft_tokens, stats.num_accepted_tokens = num_draft_tokens, num_accepted_tokens
+        stats.num_drafts, stats.num_accepted_tokens_per_pos = num_drafts, num_accepted_tokens_per_pos
         return EngineCoreOutputs(outputs, stats)
 
     def _fit_drafts(self, seq: Sequence, drafts: list[int]) -> list[int]:
@@ -364,6 +368,24 @@ def advance_computed_tokens(out: SchedulerOutput) -> None:
     one writer of a step's progress (the scheduler's, and beam search's, which schedules its beams itself)."""
     for seq, start, num_new in zip(out.scheduled_seqs, out.num_computed_tokens, out.num_scheduled_tokens, strict=True):
         seq.num_computed_tokens = start + num_new
+
+
+def hand_back_rejected_drafts(
+    kv_cache_manager: KVCacheManager, seq: Sequence, start: int, num_drafts: int, num_sampled: int
+) -> None:
+    """After verifying `seq`'s drafts: give back what the rejected ones took (vLLM: `num_computed_tokens -=
+    num_rejected` in `Scheduler.update_from_output`).
+
+    The step was scheduled from position `start` with the newest token and `num_drafts` drafts, so scheduling
+    advanced `num_computed_tokens` to `start + 1 + num_drafts`; verification kept `num_sampled` tokens (the
+    accepted drafts and one more), already appended, none of them a stop. Only the accepted drafts' K/V are the
+    sequence's: roll `num_computed_tokens` back by the rejected ones, to `start + num_sampled` (the last sampled
+    token has no K/V yet), free the blocks past the sequence's tokens (they held only rejected drafts), and
+    register in the prefix cache the blocks the verified tokens filled — never one holding a rejected draft.
+    """
+    seq.num_computed_tokens -= num_drafts + 1 - num_sampled
+    kv_cache_manager.free_unverified_blocks(seq)
+    kv_cache_manager.cache_blocks(seq, start, seq.num_computed_tokens)
 
 
 def _is_decode(seq: Sequence, num_new_tokens: int) -> bool:
