@@ -90,6 +90,9 @@ def draw(llm: object) -> str:
         inspect.getsource(engine_step).rstrip(),
         "```",
         "",
+        "Then `EngineCore.post_step`: with speculative decoding, the drafts the runner proposed after sampling "
+        "(`model_executor.take_draft_token_ids()`) go to `scheduler.update_draft_token_ids`, for the next step.",
+        "",
     ]
     return "\n".join(lines)
 

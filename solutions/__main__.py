@@ -75,6 +75,8 @@ def main() -> None:
           f"copy-on-write copies {kv_cache_manager.num_blocks_copied}; preemptions {scheduler.num_preemptions}")
     print(f"  prefix cache: {cache.queries} prompt tokens looked up, {cache.hits} found "
           f"(hit rate {cache.hit_rate:.0%})")
+    if (spec_decoding := stats.spec_decoding_summary()) is not None:
+        print(f"  speculative decoding: {spec_decoding}")
 
 
 if __name__ == "__main__":

@@ -94,12 +94,15 @@ class SpeculativeConfig:
     """Speculative decoding: each step, every decoding sequence proposes up to `num_speculative_tokens` draft
     tokens, and the target model verifies them in its next forward pass. `method` "ngram" (prompt lookup) copies
     the tokens that followed the longest earlier occurrence of the context's last n tokens, n in
-    [`prompt_lookup_min`, `prompt_lookup_max`]."""
+    [`prompt_lookup_min`, `prompt_lookup_max`]; "draft_model" drafts greedily with the target's own first
+    `num_draft_layers` layers, its final norm and LM head (self-speculation; `num_draft_layers` is ours, vLLM's
+    draft model is a separate checkpoint). Each method's own fields are None under the other."""
 
     method: str
     num_speculative_tokens: int
-    prompt_lookup_min: int
-    prompt_lookup_max: int
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    num_draft_layers: int | None = None  # in [1, num_hidden_layers - 1]: the whole model would be no cheaper
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,15 @@ def main(argv: list[str] | None = None) -> None:
     from solutions.engine.arg_utils import AsyncEngineArgs
     from solutions.entrypoints.openai.api_server import run_server
     from solutions.entrypoints.openai.cli_args import make_arg_parser
+    from solutions.exceptions import ParameterError
 
-    args = make_arg_parser().parse_args(argv)
-    run_server(AsyncEngineArgs.from_cli_args(args), host=args.host, port=args.port, log_level=args.log_level)
+    parser = make_arg_parser()
+    args = parser.parse_args(argv)
+    try:
+        engine_args = AsyncEngineArgs.from_cli_args(args)
+    except ParameterError as error:  # a bad option: its flag and why, as argparse says it (exit status 2)
+        parser.error(f"--{error.parameter.replace('_', '-')}: {error}")
+    run_server(engine_args, host=args.host, port=args.port, log_level=args.log_level)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from solutions import LLM, FinishReason, SamplingParams
 from solutions.core.block_hash import extend_block_hashes
 from solutions.core.block_manager import cdiv
 from solutions.core.kv_cache_manager import KVCacheManager
-from solutions.core.sched.output import ModelRunnerOutput
+from solutions.core.sched.output import DraftTokenIds, ModelRunnerOutput
 from solutions.core.sched.scheduler import Scheduler
 from solutions.core.sequence import Sequence
 from solutions.engine.arg_utils import EngineArgs
@@ -185,7 +185,8 @@ def scheduler_with_drafts(
     seq.request_id, seq.sampling_params = "r", params
     scheduler.add_request(seq)
     out = scheduler.schedule()
-    scheduler.update_from_output(out, ModelRunnerOutput([0], [[99]], [None], spec_token_ids=[drafts]))
+    scheduler.update_from_output(out, ModelRunnerOutput([0], [[99]], [None]))
+    scheduler.update_draft_token_ids(DraftTokenIds([0], [drafts]))  # the engine core's post_step
     scheduler.max_num_batched_tokens = budget
     return scheduler, seq, scheduler.schedule()
 
@@ -206,7 +207,7 @@ def test_rejected_drafts_are_handed_back(num_accepted):
     drafts = [6, 7, 8, 9]
     scheduler, seq, out = scheduler_with_drafts([1, 2, 3, 4, 5], drafts, SamplingParams(max_tokens=20))
     sampled = drafts[:num_accepted] + [50]
-    outputs = scheduler.update_from_output(out, ModelRunnerOutput([0], [sampled], [None], spec_token_ids=[[]]))
+    outputs = scheduler.update_from_output(out, ModelRunnerOutput([0], [sampled], [None]))
     assert outputs.outputs[0].new_token_ids == sampled
     assert seq.token_ids == [1, 2, 3, 4, 5, 99, *sampled]
     assert seq.num_computed_tokens == seq.num_tokens - 1, "rolled back by the rejected drafts, once"
@@ -229,7 +230,7 @@ def test_a_stop_token_inside_the_accepted_run_ends_it_and_frees_everything():
     scheduler, seq, out = scheduler_with_drafts(
         [1, 2, 3, 4, 5], [6, 7, 8, 9], SamplingParams(max_tokens=20, stop_token_ids=[7])
     )
-    outputs = scheduler.update_from_output(out, ModelRunnerOutput([0], [[6, 7, 8, 50]], [None], spec_token_ids=[[]]))
+    outputs = scheduler.update_from_output(out, ModelRunnerOutput([0], [[6, 7, 8, 50]], [None]))
     (output,) = outputs.outputs
     assert output.new_token_ids == [6, 7] and output.finish_reason == FinishReason.STOP and output.stop_reason == 7
     manager = scheduler.kv_cache_manager
@@ -340,7 +341,8 @@ def test_samples_forked_beside_a_sequence_with_drafts_match_hugging_face():
 @pytest.mark.parametrize(
     "config, message",
     [
-        ({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config['method'] must be one of ('ngram',)"),
+        ({"method": "eagle", "num_speculative_tokens": 2},
+         "speculative_config['method'] must be one of ('ngram', 'draft_model')"),
         ({"method": "ngram"}, "speculative_config['num_speculative_tokens'] must be an int >= 1"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "speculative_config['num_speculative_tokens']"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
@@ -369,7 +371,7 @@ def test_speculative_config_defaults_and_the_command_line_flag():
 
 @pytest.mark.parametrize(
     "options, other",
-    [(dict(tensor_parallel_size=2), "tensor_parallel_size=2"), (dict(kv_reservation="max"), "kv_reservation='max'")],
+    [(dict(kv_reservation="max"), "kv_reservation='max'")],
 )
 def test_unsupported_combinations_name_both_fields(options, other):
     with pytest.raises(ParameterError, match=other) as e:

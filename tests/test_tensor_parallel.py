@@ -3,9 +3,10 @@
 Greedy tokens at tensor_parallel_size=2 equal those at 1 and Hugging Face's (a near-tie may differ, checked as a
 tie: the partial sums of a row-parallel layer are added in another order) on SmolLM2 — whose 9 query and 3 K/V
 heads do not split evenly over 2 ranks — under preemption, chunked prefill, prefix-cache hits and n > 1 forks
-(copy-on-write), and on tiny models whose heads split evenly and whose one K/V head is replicated; seeded sampling
-gives the same samples at both sizes (on the tiny models; see below for SmolLM2); a worker that dies is an error
-at the next step, not a hang. Forked workers run this process's code (a patch here changes their tokens), and
+(copy-on-write), and on tiny models whose heads split evenly and whose one K/V head is replicated, with n-gram
+drafts too (rank 0 proposes and verifies; the drafts travel in the step's broadcast); seeded sampling gives the
+same samples at both sizes (on the tiny models; see below for SmolLM2); a worker that dies is an error at the next
+step, not a hang. Forked workers run this process's code (a patch here changes their tokens), and
 `torchrun` with the external launcher runs every rank as the same engine, with one rank's tokens on each.
 """
 
@@ -32,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 SAMPLED = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=NEW_TOKENS, ignore_eos=True)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 # preemption (KV for a few sequences), chunked prompts beside decodes, prefix-cache hits (a shared head)
 HARD = dict(block_size=8, num_kv_blocks=24, max_num_batched_tokens=32, long_prefill_token_threshold=16, max_num_seqs=6,
             max_model_len=256)
@@ -76,6 +78,29 @@ def test_two_ranks_give_one_ranks_tokens_and_hugging_faces(model):
     print(f"{model}: {same} of {len(batch) * SAMPLED.n} seeded samples identical at 1 and 2 ranks")
     if model != "smollm2-135m":
         assert sampled_two == sampled_one, "seeded samples must not depend on the number of ranks"
+
+
+@pytest.mark.parametrize("model", ["llama-gqa", "qwen2-bias-mqa"])
+def test_two_ranks_verify_drafts_as_one_rank_without_them_and_hugging_face(model):
+    """Speculative decoding at tensor_parallel_size=2: rank 0 proposes and verifies, and the drafts reach the
+    workers inside the broadcast `SchedulerOutput` (its input ids, and the k + 1 logits rows of each drafted
+    sequence), so every rank runs the same rows and their all-gathers line up. Under preemption, chunked prefill
+    and prefix-cache hits, the greedy tokens are one rank's without drafts and Hugging Face's."""
+    path, params = str(tiny_checkpoint(model)), SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    batch = prompts(256)
+    plain = generate(LLM(path, **HARD), batch, params)
+    two = LLM(path, tensor_parallel_size=2, speculative_config=NGRAM, **HARD)
+    try:
+        ours = generate(two, batch, params)
+        stats = two.llm_engine.stats
+        assert two.llm_engine.engine_core.engine_core.scheduler.num_preemptions > 0, "the tight KV cache preempts"
+    finally:
+        two.llm_engine.shutdown()
+    assert stats.num_draft_tokens > stats.num_accepted_tokens > 0, "drafts were verified, some accepted"
+    folder = str(resolve_model(path))
+    for prompt, (tokens,), (want,) in zip(batch, ours, plain, strict=True):
+        assert_greedy_close(tokens, want, prompt, hf_oracle(folder))
+        assert_greedy_close(tokens, hf_greedy(folder, tuple(prompt), 32), prompt, hf_oracle(folder))
 
 
 def test_a_dead_worker_is_an_error_at_the_next_step_not_a_hang():

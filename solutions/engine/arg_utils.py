@@ -47,8 +47,11 @@ ENGINE_CORE_KINDS = ("process", "thread")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # CPU matmuls in float16 are emulated (several times slower than float32 here); bfloat16 runs natively.
 CPU_DTYPES = ("float32", "bfloat16")
-SPECULATIVE_METHODS = ("ngram",)
-SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+SPECULATIVE_KEYS = {  # each method's keys
+    "ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"),
+    "draft_model": ("method", "num_speculative_tokens", "num_draft_layers"),
+}
+SPECULATIVE_METHODS = tuple(SPECULATIVE_KEYS)
 
 
 def _help(text: str) -> dict[str, str]:
@@ -66,7 +69,8 @@ class EngineArgs:
     chapter 2's Orca baselines (each request admitted with blocks for its whole reserved length).
     `tensor_parallel_size=N` splits the model over N processes (chapter 9), started by this one or by torchrun.
     `speculative_config` turns on speculative decoding, as vLLM's keyword: `{"method": "ngram",
-    "num_speculative_tokens": 4, "prompt_lookup_max": 4}` (`SpeculativeConfig`)."""
+    "num_speculative_tokens": 4, "prompt_lookup_max": 4}`, or `{"method": "draft_model",
+    "num_speculative_tokens": 4, "num_draft_layers": 8}` (`SpeculativeConfig`)."""
 
     model: str = field(default=DEFAULT_MODEL, metadata=_help(f"{DEFAULT_MODEL} or a local Hugging Face folder"))
     block_size: int = field(default=16, metadata=_help("tokens per KV block"))
@@ -88,7 +92,8 @@ class EngineArgs:
     distributed_executor_backend: str = field(default="mp", metadata=_help(f"one of {DISTRIBUTED_EXECUTOR_BACKENDS}"))
     worker_multiproc_method: str = field(default="spawn", metadata=_help(f"one of {WORKER_MULTIPROC_METHODS}"))
     speculative_config: dict | None = field(
-        default=None, metadata=_help(f"speculative decoding as JSON, keys {SPECULATIVE_KEYS} (default: off)")
+        default=None,
+        metadata=_help(f"speculative decoding as JSON, each method's keys {SPECULATIVE_KEYS} (default: off)"),
     )
 
     def __post_init__(self) -> None:
@@ -133,43 +138,55 @@ class EngineArgs:
         if self.speculative_config is not None:
             self._check_speculative_config()
 
-    def _speculative_config(self) -> SpeculativeConfig | None:
+    def _speculative_config(self, num_hidden_layers: int | None = None) -> SpeculativeConfig | None:
         """`speculative_config` as a `SpeculativeConfig`, with vLLM's defaults: prompt_lookup_min and
-        prompt_lookup_max default to each other, and both to 5. ParameterError naming the key at fault."""
+        prompt_lookup_max default to each other, and both to 5. `num_draft_layers` must leave the draft cheaper than
+        the target: at most `num_hidden_layers` - 1, checked once the checkpoint's config is read. ParameterError
+        naming the key at fault."""
         options = self.speculative_config
         if options is None:
             return None
         name = "speculative_config"
         if not isinstance(options, dict):
             raise ParameterError(f"{name} must be a dict (or None), got {type(options).__name__}", name)
-        if unknown := sorted(set(options) - set(SPECULATIVE_KEYS)):
-            raise ParameterError(f"{name} has unknown keys {unknown}; its keys are {SPECULATIVE_KEYS}", name)
-        if options.get("method") not in SPECULATIVE_METHODS:
-            raise ParameterError(
-                f"{name}['method'] must be one of {SPECULATIVE_METHODS}, got {options.get('method')!r}", name
-            )
-        lookup_min, lookup_max = options.get("prompt_lookup_min"), options.get("prompt_lookup_max")
-        lookup_min = lookup_min if lookup_min is not None else lookup_max if lookup_max is not None else 5
-        lookup_max = lookup_max if lookup_max is not None else lookup_min
-        values = dict(options, prompt_lookup_min=lookup_min, prompt_lookup_max=lookup_max)
-        for key in SPECULATIVE_KEYS[1:]:
+        method = options.get("method")
+        if method not in SPECULATIVE_METHODS:
+            raise ParameterError(f"{name}['method'] must be one of {SPECULATIVE_METHODS}, got {method!r}", name)
+        keys = SPECULATIVE_KEYS[method]
+        if unknown := sorted(set(options) - set(keys)):
+            raise ParameterError(f"{name} has unknown keys {unknown} for method {method!r}; its keys are {keys}", name)
+        values = dict(options)
+        if method == "ngram":
+            lookup_min, lookup_max = options.get("prompt_lookup_min"), options.get("prompt_lookup_max")
+            lookup_min = lookup_min if lookup_min is not None else lookup_max if lookup_max is not None else 5
+            lookup_max = lookup_max if lookup_max is not None else lookup_min
+            values.update(prompt_lookup_min=lookup_min, prompt_lookup_max=lookup_max)
+        for key in keys[1:]:
             value = values.get(key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ParameterError(f"{name}[{key!r}] must be an int >= 1, got {value!r}", name)
-        if lookup_min > lookup_max:
+        if method == "ngram" and values["prompt_lookup_min"] > values["prompt_lookup_max"]:
             raise ParameterError(
-                f"{name}['prompt_lookup_min'] must be at most prompt_lookup_max={lookup_max}, got {lookup_min}", name
+                f"{name}['prompt_lookup_min'] must be at most prompt_lookup_max={values['prompt_lookup_max']}, "
+                f"got {values['prompt_lookup_min']}", name
             )
-        return SpeculativeConfig(**{key: values[key] for key in SPECULATIVE_KEYS})
+        if method == "draft_model" and self.tensor_parallel_size > 1:
+            raise ParameterError(
+                f"{name}['method'] 'draft_model' runs with tensor_parallel_size=1 only (rank 0 drafts alone, and the "
+                "draft's layers are its shards of the target's, whose collectives the other ranks would not join), "
+                f"got tensor_parallel_size={self.tensor_parallel_size}", name,
+            )
+        num_draft_layers = values.get("num_draft_layers")
+        if num_draft_layers is not None and num_hidden_layers is not None and num_draft_layers >= num_hidden_layers:
+            raise ParameterError(
+                f"{name}['num_draft_layers'] must be in [1, {num_hidden_layers - 1}] (the model has "
+                f"{num_hidden_layers} layers), got {num_draft_layers}", name
+            )
+        return SpeculativeConfig(**{key: values[key] for key in keys})
 
     def _check_speculative_config(self) -> None:
         """Its keys, and the options it does not run with yet (ParameterError naming both)."""
         self._speculative_config()
-        if self.tensor_parallel_size > 1:
-            raise ParameterError(
-                "speculative_config runs with tensor_parallel_size=1 only (the workers do not receive the drafts "
-                f"yet), got tensor_parallel_size={self.tensor_parallel_size}", "speculative_config",
-            )
         if self.kv_reservation is not None:
             raise ParameterError(
                 "speculative_config does not run with kv_reservation (the reserving baseline allocates whole "
@@ -216,7 +233,7 @@ class EngineArgs:
                 self.tensor_parallel_size, self.distributed_executor_backend, self.worker_multiproc_method
             ),
             device_config=DeviceConfig(device),
-            speculative_config=self._speculative_config(),
+            speculative_config=self._speculative_config(hf_config.num_hidden_layers),
         )
 
     def _resolve_device(self) -> torch.device:

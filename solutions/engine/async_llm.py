@@ -140,7 +140,7 @@ class AsyncLLM:
         self.processor = Processor(vllm_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCoreClient.make_client(engine_core, vllm_config, executor_class)
-        self.stat_logger = PrometheusStatLogger(self.model_name)
+        self.stat_logger = PrometheusStatLogger(self.model_name, vllm_config.speculative_config)
         self.stat_loggers: list[StatLogger] = [self.stat_logger]  # each gets every message's stats
         self._requests: dict[str, _LiveRequest] = {}  # written by callers' loops, read by the output thread
         self._dead_reason: str | None = None

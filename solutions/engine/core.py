@@ -12,6 +12,7 @@ A step (`engine_step`, below) is schedule → execute → sample → update, eac
     execute      model_executor.execute_model()      one forward pass over the flattened batch (every rank)
     sample       model_executor.sample_tokens()      one token per sampling sequence, within its mask
     update       Scheduler.update_from_output()      append, check stops, free the finished; the step's outputs
+    (post_step)  Scheduler.update_draft_token_ids()  speculative decoding: the drafts proposed after sampling
 
 The core speaks token ids only: the front end (`LLMEngine`, `AsyncLLM`) tokenises before and detokenises after.
 
@@ -95,8 +96,19 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> EngineCoreOutputs:
-        """One engine step (`engine_step`, looked up in this module when called, so a chapter can swap it)."""
-        return engine_step(self)
+        """One engine step (`engine_step`, looked up in this module when called, so a chapter can swap it), then
+        `post_step`."""
+        outputs = engine_step(self)
+        self.post_step()
+        return outputs
+
+    def post_step(self) -> None:
+        """Speculative decoding: hand the drafts proposed after this step's sampling to the scheduler, for the next
+        step (vLLM: `EngineCore.post_step`). Nothing without speculation."""
+        if self.vllm_config.speculative_config is not None:
+            draft_token_ids = self.model_executor.take_draft_token_ids()
+            if draft_token_ids is not None:
+                self.scheduler.update_draft_token_ids(draft_token_ids)
 
     def beam_search(self, prompts: list[list[int]], params: BeamSearchParams) -> list[list[BeamSearchSequence]]:
         """The beams of each prompt, best first (text not filled in), run outside the scheduler, as vLLM's does,

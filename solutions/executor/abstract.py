@@ -13,7 +13,7 @@ Where this lives in vLLM: `vllm/v1/executor/abstract.py` (`Executor.get_class`).
 import torch
 
 from solutions.config import VllmConfig
-from solutions.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from solutions.core.sched.output import DraftTokenIds, GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from solutions.model.loader import load_model
 from solutions.worker.model_runner import ModelRunner
 
@@ -59,6 +59,10 @@ class Executor:
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         return self.model_runner.sample_tokens(grammar_output)
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """The drafts rank 0's proposer made after the last sampling, once (None without speculation)."""
+        return self.model_runner.take_draft_token_ids()
 
     def shutdown(self) -> None:
         """Release the workers (nothing to do in one process). Idempotent."""

@@ -7,8 +7,9 @@
 the environment); each builds the same `LLM` and gets the same requests. There is no broadcast: each rank's
 scheduler makes the same decisions from the same inputs, each rank's forward pass runs on its slice of the
 weights, the collectives inside the model keep them in step, and the logits come out whole and identical on
-every rank, so every rank samples the same tokens and returns the same outputs. Multi-node is the same script
-under `torchrun --nnodes 2 --node-rank K --master-addr HOST ...` on each machine.
+every rank, so every rank samples the same tokens and returns the same outputs (with speculative decoding, each
+rank also proposes the same drafts from the same tokens). Multi-node is the same script under `torchrun --nnodes 2
+--node-rank K --master-addr HOST ...` on each machine.
 
 Where this lives in vLLM: `vllm/v1/executor/uniproc_executor.py` (`ExecutorWithExternalLauncher`), selected by
 `distributed_executor_backend="external_launcher"`.

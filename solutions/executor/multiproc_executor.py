@@ -10,6 +10,11 @@ keep them in step, and the logits come out whole on every rank. Rank 0's runner 
 others wait for the next broadcast. A broadcast of `None` stops them. Rank 0's side of a step is
 `execute_model_in_lockstep`, a worker's is `worker_busy_loop` (chapter 9's exercises).
 
+With speculative decoding the step's drafts travel in the same broadcast (`scheduled_spec_decode_tokens`): they
+are the input ids after each drafted sequence's newest token, and they say which k + 1 rows of logits to compute,
+so every rank runs the same rows and the all-gathers of the logits line up. Only rank 0 verifies them and
+proposes the next ones (the workers' runners have no proposer), so a proposer must not call a collective.
+
 The workers are started with "spawn" by default (a fresh interpreter, as the engine core's process in chapter 7):
 each loads the checkpoint itself, then keeps its slice, and runs the code `solutions/` holds on disk. With "fork"
 a worker is a copy of this process: it slices the model already in memory, and runs the code this process runs,
@@ -71,7 +76,9 @@ def run_worker(
     try:
         if full_model is None:
             full_model = load_model(vllm_config.model_config.model, device=device, dtype=vllm_config.model_config.dtype)
-        runner = ModelRunner.from_config(shard_model(full_model, rank, tp_size), vllm_config, **eager_on_gpu(device))
+        runner = ModelRunner.from_config(  # no proposer: rank 0 drafts
+            shard_model(full_model, rank, tp_size), vllm_config, speculative_config=None, **eager_on_gpu(device)
+        )
         worker_busy_loop(runner)
     finally:
         destroy_tensor_parallel()

@@ -10,14 +10,22 @@ Three kinds of metric, as Prometheus defines them:
   `vllm:time_to_first_token_seconds` (arrival in `generate` → first token) and
   `vllm:inter_token_latency_seconds` (between one request's consecutive outputs).
 
+With speculative decoding on (and only then, as in vLLM), four more counters: `vllm:spec_decode_num_drafts`
+(sequences' drafts verified), `vllm:spec_decode_num_draft_tokens`, `vllm:spec_decode_num_accepted_tokens` and
+`vllm:spec_decode_num_accepted_tokens_per_pos` (label `position`, 0 .. num_speculative_tokens - 1: drafts accepted
+at least that far). From two scrapes: the acceptance rate is accepted / draft tokens, the mean acceptance length
+1 + accepted tokens / drafts (the bonus token counted), and per position accepted_per_pos / drafts.
+
 Every metric carries a `model_name` label, as vLLM's do. The logger owns its own `CollectorRegistry`, not
 `prometheus_client`'s global one: two engines in one process (tests, a benchmark) keep separate books.
 
-Where this lives in vLLM: `vllm/v1/metrics/loggers.py` (`PrometheusStatLogger`).
+Where this lives in vLLM: `vllm/v1/metrics/loggers.py` (`PrometheusStatLogger`) and
+`vllm/v1/spec_decode/metrics.py` (`SpecDecodingProm`).
 """
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from solutions.config import SpeculativeConfig
 from solutions.metrics.stats import IterationStats, SchedulerStats
 
 # Bucket upper bounds in seconds. On 2 CPU cores a step takes tens of milliseconds and a first token under load
@@ -33,7 +41,7 @@ class PrometheusStatLogger:
     `prometheus_client` metrics are thread-safe, so the two need no lock of ours.
     """
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, speculative_config: SpeculativeConfig | None = None) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         labels = dict(labelnames=["model_name"], registry=self.registry)
@@ -60,6 +68,9 @@ class PrometheusStatLogger:
             "vllm:inter_token_latency_seconds", "Seconds between a request's consecutive outputs.",
             buckets=ITL_BUCKETS, **labels,
         ).labels(model_name)
+        self.spec_decoding = None if speculative_config is None else SpecDecodingProm(
+            self.registry, model_name, speculative_config.num_speculative_tokens
+        )
 
     def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
         """Add one message's statistics (either may be None: a message with nothing of that kind)."""
@@ -70,6 +81,8 @@ class PrometheusStatLogger:
             self.prefix_cache_queries.inc(scheduler_stats.prefix_cache_queries)
             self.prefix_cache_hits.inc(scheduler_stats.prefix_cache_hits)
             self.num_preemptions.inc(scheduler_stats.num_preemptions)
+            if self.spec_decoding is not None:
+                self.spec_decoding.observe(scheduler_stats)
         if iteration_stats is not None:
             self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
             self.generation_tokens.inc(iteration_stats.num_generation_tokens)
@@ -81,3 +94,29 @@ class PrometheusStatLogger:
     def render(self) -> bytes:
         """The registry in Prometheus's text exposition format (serve it as `prometheus_client.CONTENT_TYPE_LATEST`)."""
         return generate_latest(self.registry)
+
+
+class SpecDecodingProm:
+    """Speculative decoding's counters, under vLLM's names: registered only when speculation is on, so a
+    scrape shows whether it is. One per-position counter for each draft position the config allows."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, num_speculative_tokens: int) -> None:
+        def counter(name: str, documentation: str) -> Counter:
+            return Counter(name, documentation, labelnames=["model_name"], registry=registry).labels(model_name)
+
+        self.num_drafts = counter("vllm:spec_decode_num_drafts", "Sequences' drafts verified.")
+        self.num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Drafts accepted at least up to this position.",
+            labelnames=["model_name", "position"], registry=registry,
+        )
+        self.num_accepted_tokens_per_pos = [per_pos.labels(model_name, str(j)) for j in range(num_speculative_tokens)]
+
+    def observe(self, scheduler_stats: SchedulerStats) -> None:
+        self.num_drafts.inc(scheduler_stats.num_drafts)
+        self.num_draft_tokens.inc(scheduler_stats.num_draft_tokens)
+        self.num_accepted_tokens.inc(scheduler_stats.num_accepted_tokens)
+        per_pos = zip(self.num_accepted_tokens_per_pos, scheduler_stats.num_accepted_tokens_per_pos, strict=False)
+        for counter, num_accepted in per_pos:  # a step's list stops at its longest draft
+            counter.inc(num_accepted)

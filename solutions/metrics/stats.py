@@ -37,8 +37,11 @@ class SchedulerStats:
     num_prefill_tokens: int = 0  # scheduled tokens catching up with a prompt (or a recompute)
     num_decode_tokens: int = 0  # scheduled tokens that are a sequence's newest, sampled token (or its drafts)
     num_cached_tokens: int = 0  # found in the prefix cache by the sequences admitted in this step
-    num_draft_tokens: int = 0  # speculative decoding: draft tokens verified in this step
+    num_drafts: int = 0  # speculative decoding: sequences whose drafts were verified in this step
+    num_draft_tokens: int = 0  # their draft tokens
     num_accepted_tokens: int = 0  # of those, accepted (vLLM's spec_decode num_accepted_tokens)
+    # position j (0-based): drafts whose token j was accepted (a draft is accepted up to its first rejection)
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # per stage of STEP_STAGES
 
     @property
@@ -54,8 +57,10 @@ class EngineStats:
     num_steps: int = 0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
-    num_draft_tokens: int = 0  # speculative decoding: drafts verified, and accepted, over every step
-    num_accepted_tokens: int = 0
+    num_drafts: int = 0  # speculative decoding, over every step: sequences' drafts verified,
+    num_draft_tokens: int = 0  # their tokens,
+    num_accepted_tokens: int = 0  # those accepted,
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # and those accepted per position
     batch_sizes: list[int] = field(default_factory=list)  # sequences per step
     peak_blocks_used: int = 0
     steps: list[SchedulerStats] = field(default_factory=list)
@@ -66,11 +71,33 @@ class EngineStats:
         self.num_steps += 1
         self.num_prefill_tokens += scheduler_stats.num_prefill_tokens
         self.num_decode_tokens += scheduler_stats.num_decode_tokens
+        self.num_drafts += scheduler_stats.num_drafts
         self.num_draft_tokens += scheduler_stats.num_draft_tokens
         self.num_accepted_tokens += scheduler_stats.num_accepted_tokens
+        self.num_accepted_tokens_per_pos = add_per_pos(
+            self.num_accepted_tokens_per_pos, scheduler_stats.num_accepted_tokens_per_pos
+        )
         self.batch_sizes.append(scheduler_stats.num_scheduled_seqs)
         self.peak_blocks_used = max(self.peak_blocks_used, scheduler_stats.num_blocks_used)
         self.steps.append(scheduler_stats)
+
+    def spec_decoding_summary(self) -> str | None:
+        """vLLM's spec-decoding log line over every step: mean acceptance length (the bonus token included),
+        acceptance rate, and per position the fraction of drafts accepted that far; None if nothing was drafted."""
+        if self.num_drafts == 0:
+            return None
+        per_pos = ", ".join(f"{n / self.num_drafts:.2f}" for n in self.num_accepted_tokens_per_pos)
+        return (
+            f"mean acceptance length {1 + self.num_accepted_tokens / self.num_drafts:.2f}, acceptance rate "
+            f"{self.num_accepted_tokens / self.num_draft_tokens:.1%} ({self.num_accepted_tokens} of "
+            f"{self.num_draft_tokens} draft tokens), per position {per_pos}"
+        )
+
+
+def add_per_pos(total: list[int], step: list[int]) -> list[int]:
+    """Two per-position counts added position by position (the shorter one counts 0 past its end)."""
+    longer, shorter = (total, step) if len(total) >= len(step) else (step, total)
+    return [n + (shorter[j] if j < len(shorter) else 0) for j, n in enumerate(longer)]
 
 
 @dataclass(slots=True)

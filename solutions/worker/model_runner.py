@@ -27,11 +27,13 @@ Speculative decoding (`SpeculativeConfig`): a sequence with k draft tokens in th
 rows: row j scores draft j, the last row the token after them. `sample_tokens` then verifies the whole batch with
 `rejection_sample` (a sequence without drafts is an ordinary sample in it), after each row's logit bias and
 penalties over the tokens before that row (drafts included), and gives each sequence its accepted drafts and one
-more token, with the target's logprobs. After sampling, the proposer drafts each sequence's next tokens from its
-tokens after this step (`ModelRunnerOutput.spec_token_ids`). A step without drafts samples as without speculation.
+more token, with the target's logprobs. After sampling, the proposer (`solutions.spec_decode.Proposer`: n-gram
+lookup, or the target's own first layers) drafts each sequence's next tokens from its tokens after this step; the
+engine core takes them (`take_draft_token_ids`) and hands them to the scheduler for the next step. A step without
+drafts samples as without speculation.
 
 Where this lives in vLLM: `vllm/v1/worker/gpu_model_runner.py` (`_prepare_inputs`, `execute_model`,
-`sample_tokens`, `propose_draft_token_ids`).
+`sample_tokens`, `propose_draft_token_ids`, `take_draft_token_ids`).
 """
 
 import time
@@ -43,6 +45,7 @@ from solutions.attention.torch_backend import TorchAttentionBackend
 from solutions.config import SpeculativeConfig, VllmConfig
 from solutions.core.block_manager import slot_mapping
 from solutions.core.sched.output import (
+    DraftTokenIds,
     GrammarOutput,
     ModelRunnerOutput,
     PromptLogprobsChunk,
@@ -53,6 +56,8 @@ from solutions.core.sequence import Sequence
 from solutions.model.llama import LlamaForCausalLM
 from solutions.sample.rejection_sampler import rejection_sample
 from solutions.sample.sampler import gather_logprobs, process_logits, sample
+from solutions.spec_decode import PerSequenceProposer, Proposer
+from solutions.spec_decode.draft_model import DraftModelProposer
 from solutions.spec_decode.ngram_proposer import NgramProposer
 from solutions.structured_output.bitmask import apply_token_bitmask
 
@@ -144,6 +149,15 @@ def compute_prompt_logprobs(
     return result
 
 
+def build_drafter(model: LlamaForCausalLM, config: SpeculativeConfig) -> Proposer:
+    """The proposer of `config.method`: the n-gram one looped over the batch, or the target's first layers."""
+    if config.method == "draft_model":
+        return DraftModelProposer(model, config.num_draft_layers, config.num_speculative_tokens)
+    return PerSequenceProposer(
+        NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens)
+    )
+
+
 class ModelRunner:
     """Owns the model and the paged KV cache (on the model's device, in its dtype); one `execute_model` call is
     one forward pass.
@@ -164,10 +178,8 @@ class ModelRunner:
         # the sampling rows' logits, their sequences, the step's times, its prompt logprobs' logits and chunks, and
         # each sequence's drafts (None in a step without drafts)
         self._pending: tuple[torch.Tensor, list, dict[str, float], tuple[torch.Tensor, list], list | None] | None = None
-        self.drafter = None if speculative_config is None else NgramProposer(
-            speculative_config.prompt_lookup_min, speculative_config.prompt_lookup_max,
-            speculative_config.num_speculative_tokens,
-        )
+        self.drafter = None if speculative_config is None else build_drafter(model, speculative_config)
+        self._draft_token_ids: DraftTokenIds | None = None  # the last sampling's drafts, until taken
         weight = model.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.kv_cache = KVCache.allocate(model.config, num_blocks, block_size, dtype=self.dtype, device=self.device)
@@ -262,14 +274,20 @@ class ModelRunner:
                 None if top is None else [(top, chosen)]
                 for top, chosen in zip(sampled.logprobs, sampled.sampled_logprobs, strict=True)
             ]
-        spec_token_ids = None if self.drafter is None else [  # from each sequence's tokens after this step
-            self.drafter.propose(seq.token_ids + new) for seq, new in zip(seqs, sampled_token_ids, strict=True)
-        ]
+        seq_ids = [seq.seq_id for seq in seqs]
+        if self.drafter is not None:  # from each sequence's tokens after this step
+            self._draft_token_ids = DraftTokenIds(seq_ids, self.drafter.propose_draft_token_ids(
+                seq_ids, [seq.token_ids + new for seq, new in zip(seqs, sampled_token_ids, strict=True)]
+            ))
         seconds["sample"] = time.perf_counter() - start
         return ModelRunnerOutput(
-            [seq.seq_id for seq in seqs], sampled_token_ids, logprobs, seconds,
-            compute_prompt_logprobs(prompt_logits, prompt_chunks), spec_token_ids,
+            seq_ids, sampled_token_ids, logprobs, seconds, compute_prompt_logprobs(prompt_logits, prompt_chunks)
         )
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """The drafts proposed after the last sampling (None without speculation, or once taken)."""
+        draft_token_ids, self._draft_token_ids = self._draft_token_ids, None
+        return draft_token_ids
 
     def _verify(
         self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]

@@ -107,7 +107,15 @@ class ModelRunnerOutput:
     # seq_id -> (first prompt position j, per prompt token j, j + 1, ...: its (top, (logprob, rank))), for this
     # step's chunk of each prompt whose logprobs are wanted
     prompt_logprobs: dict[int, PromptLogprobsChunk] = field(default_factory=dict)
-    spec_token_ids: list[list[int]] | None = None  # speculative decoding: per sequence, drafts for its next step
+
+
+@dataclass(slots=True)
+class DraftTokenIds:
+    """Speculative decoding: the drafts the proposer made after a step's sampling, per sampling sequence, for its
+    next step (vLLM: `DraftTokenIds` in `vllm/v1/outputs.py`, taken by `EngineCore.post_step`)."""
+
+    seq_ids: list[int]
+    draft_token_ids: list[list[int]]
 
 
 @dataclass(slots=True)

@@ -26,8 +26,9 @@ sequence, advances its grammar, checks the stop conditions, frees what finished,
 one `EngineCoreOutput` per sample and the step's `SchedulerStats`.
 
 Speculative decoding (`SpeculativeConfig`): a decoding sequence with draft tokens (`seq.spec_token_ids`, proposed
-by the runner after the previous step's sampling) schedules its newest token and its k drafts, 1 + k tokens of the
-budget, with slots for all of them; a budget too small for them all drops the last drafts. The runner verifies
+by the runner after the previous step's sampling and handed over by `update_draft_token_ids`) schedules its
+newest token and its k drafts, 1 + k tokens of the budget, with slots for all of them; a budget too small for
+them all drops the last drafts. The runner verifies
 them in the same forward pass and returns the accepted ones plus one more. `update_from_output` then hands the
 rejected ones back: `num_computed_tokens` — advanced past all k at scheduling — moves back by the number rejected
 (their slots are overwritten by the next step), blocks that held only rejected drafts are freed, and the blocks
@@ -53,6 +54,7 @@ import torch
 from solutions.config import VllmConfig
 from solutions.core.kv_cache_manager import KVCacheManager
 from solutions.core.sched.output import (
+    DraftTokenIds,
     EngineCoreOutput,
     EngineCoreOutputs,
     GrammarOutput,
@@ -283,6 +285,7 @@ class SchedulerBase:
         for b, seq_id in enumerate(model_output.seq_ids):
             seq, sampled = seqs[seq_id], model_output.sampled_token_ids[b]
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(seq_id, [])
+            seq.spec_token_ids = []  # verified now; the next ones come from `update_draft_token_ids`
             num_draft_tokens += len(drafts)
             num_accepted_tokens += len(sampled) - 1 if drafts else 0
             if drafts:  # vLLM's SpecDecodingStats.observe_draft: one draft, and its accepted run
@@ -304,7 +307,6 @@ class SchedulerBase:
             if stopped is not None:
                 # the dropped tail's K/V (and any rejected drafts') are not the sequence's: as after a one-token step
                 seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
-                seq.spec_token_ids = []
                 status, stop_reason = stopped
                 self.finish(seq, status)
                 finish_reason = FINISH_REASONS[status]
@@ -314,8 +316,6 @@ class SchedulerBase:
             else:
                 if drafts:  # the rejected drafts' positions were scheduled, not kept: computed again next step
                     hand_back_rejected_drafts(self.kv_cache_manager, seq, starts[seq_id], len(drafts), len(sampled))
-                if model_output.spec_token_ids is not None:
-                    seq.spec_token_ids = self._fit_drafts(seq, model_output.spec_token_ids[b])
             logprobs = model_output.logprobs[b]
             outputs.append(EngineCoreOutput(
                 seq.request_id, seq.sample_index, new_token_ids,
@@ -333,6 +333,14 @@ class SchedulerBase:
         stats.num_draft_tokens, stats.num_accepted_tokens = num_draft_tokens, num_accepted_tokens
         stats.num_drafts, stats.num_accepted_tokens_per_pos = num_drafts, num_accepted_tokens_per_pos
         return EngineCoreOutputs(outputs, stats)
+
+    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
+        """Keep the proposer's drafts (made after this step's sampling) for each sequence still running, for its
+        next step (vLLM: `Scheduler.update_draft_token_ids`, called by `EngineCore.post_step`)."""
+        running = {seq.seq_id: seq for seq in self.running}
+        for seq_id, drafts in zip(draft_token_ids.seq_ids, draft_token_ids.draft_token_ids, strict=True):
+            if (seq := running.get(seq_id)) is not None:  # not finished (nor preempted) since the proposal
+                seq.spec_token_ids = self._fit_drafts(seq, drafts)
 
     def _fit_drafts(self, seq: Sequence, drafts: list[int]) -> list[int]:
         """The proposed drafts that can still be used: no more than the sequence may still generate, less the one
