@@ -1,7 +1,7 @@
 """Penalties and the other logit processors of `SamplingParams`, with vLLM's semantics: the repetition penalty
 against Hugging Face's `RepetitionPenaltyLogitsProcessor` (on the logits and in greedy generation), presence and
 frequency penalties against OpenAI's formula, min_tokens, logit_bias, allowed_token_ids, neutral values, batch
-invariance of seeded sampling, and validation."""
+invariance of seeded sampling, and validation; and the sampler's filters, run only on the rows that use them."""
 
 import re
 from collections import Counter
@@ -14,7 +14,7 @@ from grading.tiny_models import hf_model, tiny_checkpoint
 from solutions import LLM, SamplingParams
 from solutions.model.loader import resolve_model
 from solutions.sample.ops.penalties import apply_penalties
-from solutions.sample.sampler import sample
+from solutions.sample.sampler import apply_min_p, apply_top_k, apply_top_k_top_p_min_p, apply_top_p, sample
 
 V = 64  # vocabulary of the logits-level tests
 
@@ -261,3 +261,38 @@ def test_invalid_penalty_params_name_the_field_and_the_allowed_values(field, val
         SamplingParams(**{field: value})
     assert str(error.value) == f"SamplingParams.{field} must be {allowed}, got {value!r}"
     assert error.value.parameter == field
+
+
+# --- top-k, top-p and min-p only on the rows that use them --------------------------------------------------------
+
+
+def test_filters_on_a_mix_of_rows_equal_each_filter_on_all_rows_where_it_filters():
+    """Rows with every combination of top-k, top-p and min-p, neutral or not, in one batch: each filter changes
+    exactly the rows whose value filters, bit for bit as it does when applied to the whole batch."""
+    g = torch.Generator().manual_seed(32)
+    vocab_size, batch = 1000, 16
+    logits = torch.randn(batch, vocab_size, generator=g) * 3
+    row = torch.arange(batch)
+    top_k = torch.where(row % 2 == 0, torch.tensor(vocab_size), 1 + row * 37)  # (B,) V keeps all
+    top_p = torch.where(row % 4 < 2, torch.tensor(1.0), 0.5 + row / 40)  # (B,) 1 keeps all
+    min_p = torch.where(row % 8 < 4, torch.tensor(0.0), 0.05 * (row % 3 + 1))  # (B,) 0 keeps all
+    expected = logits
+    for apply, values, filters in [
+        (apply_top_k, top_k, top_k < vocab_size), (apply_top_p, top_p, top_p < 1), (apply_min_p, min_p, min_p > 0)
+    ]:
+        expected = torch.where(filters[:, None], apply(expected, values), expected)  # the filter on all rows
+    got = apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
+    assert torch.equal(got, expected)
+    neutral = (top_k == vocab_size) & (top_p == 1) & (min_p == 0)  # (B,) rows 0 and 8
+    assert torch.equal(torch.isinf(got).any(dim=1), ~neutral), "the neutral rows keep all, every other row drops some"
+
+
+def test_neutral_filters_keep_every_token_of_a_large_vocabulary():
+    """top_k = V, top_p = 1 and min_p = 0 leave the logits as they are. Applied anyway, top-p at 1 would drop the
+    tail tokens whose float cumulative probability rounds up to 1 (hundreds per row at V = 49,152)."""
+    g = torch.Generator().manual_seed(3)
+    vocab_size, batch = 49152, 4
+    logits = torch.randn(batch, vocab_size, generator=g) * 3
+    neutral = torch.full((batch,), vocab_size), torch.ones(batch), torch.zeros(batch)
+    assert torch.equal(apply_top_k_top_p_min_p(logits, *neutral), logits)
+    assert torch.isinf(apply_top_p(logits, torch.ones(batch))).any(), "the rounding that skipping top-p avoids"

@@ -5,7 +5,8 @@ loop it emits pads every sequence to the longest in the batch and reads the cach
 bandwidth. This kernel does what chapter 6's Triton kernel does on a GPU, the CPU's way: a task per sequence (per
 sequence and K/V head when there are fewer sequences than twice the cores), its queries held while the sequence's
 keys stream past once, an exact softmax over the row of scores a core can keep (where a GPU program keeps an
-online one), then its values, nothing read past the sequence's own length.
+online one), then its values, nothing read past the sequence's own length. A speculative verify's 1 + k tokens are
+more queries of the same task: the context is still read once.
 
 The source is compiled on first use with the machine's C compiler (`gcc -O3 -march=native -fopenmp`, or `$CC`)
 into the course's cache folder, keyed by the source, the flags and the CPU, and loaded with `ctypes`; OpenMP
@@ -62,7 +63,7 @@ def _library() -> ctypes.CDLL:
             raise RuntimeError(f"compiling {SOURCE.name} failed:\n{build.stderr}")
         os.replace(partial, target)  # atomic: a concurrent build never loads half a file
     library = ctypes.CDLL(str(target))
-    library.paged_decode_attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+    library.paged_decode_attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float]
     library.paged_decode_attention.restype = None
     return library
 
@@ -82,9 +83,12 @@ def c_paged_decode_attention(
 ) -> torch.Tensor:
     """One query per sequence, q (Bd, Hq, D), over each sequence's paged context -> (Bd, Hq, D), in C.
 
-    `block_tables` (Bd, max_blocks) and `seq_lens` (Bd,) as the torch backend takes them.
+    Or Q queries per sequence, q (Bd, Q, Hq, D) -> (Bd, Q, Hq, D): a speculative verify's 1 + k tokens, the last
+    seeing `seq_lens[b]` tokens and each earlier one a token less (causal), all scored while the context is read
+    once. `block_tables` (Bd, max_blocks) and `seq_lens` (Bd,) as the torch backend takes them.
     """
-    num_seqs, num_q_heads, head_dim = q.shape
+    num_seqs, num_queries = q.shape[0], q.shape[1] if q.dim() == 4 else 1
+    num_q_heads, head_dim = q.shape[-2:]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     # Every tensor the C code reads is held by a name here until it returns: its memory must outlive the call.
     q, keys, values = q.contiguous(), key_cache.contiguous(), value_cache.contiguous()
@@ -92,6 +96,6 @@ def c_paged_decode_attention(
     out = torch.empty_like(q)
     _library().paged_decode_attention(
         q.data_ptr(), keys.data_ptr(), values.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
-        num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, tables.shape[1], scale,
+        num_seqs, num_queries, num_q_heads, num_kv_heads, head_dim, block_size, tables.shape[1], scale,
     )
     return out

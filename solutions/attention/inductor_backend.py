@@ -18,8 +18,10 @@ machine's bandwidth; so in fp32, the CPU's dtype for this engine, decodes go to 
 (`cpu_kernels.py`, chapter 6's kernel in C: each sequence's keys, then its values, read once, nothing past its length),
 and the compiled loop serves the rest (bf16).
 
-Prefills are as in the torch backend (SDPA on the new tokens, or a gather for a chunk with earlier context):
-few per step and large, their cost is their matmuls.
+A speculative verify (1 + k new tokens of a decoding sequence) is a decode with more queries: the C kernel scores
+all of them, each with its own causal length, while it reads the context once (`max_decode_query_len`). Prefills
+are as in the torch backend (SDPA on the new tokens, or a gather for a chunk with earlier context): few per step
+and large, their cost is their matmuls.
 
 Where this lives in vLLM: `vllm/v1/attention/backends/cpu_attn.py` (the CPU backend, with hand-written C++
 paged-attention kernels in `csrc/cpu/`).
@@ -85,13 +87,29 @@ def fast_decode_attention(
     seq_lens: torch.Tensor, scale: float,
 ) -> torch.Tensor:
     """In place: the hand-written C kernel where it applies (`cpu_kernels.supports`: fp32 on the CPU, heads of a
-    multiple of 16 floats), else the compiled loop above (bf16, odd head sizes)."""
+    multiple of 16 floats), else the compiled loop above (bf16, odd head sizes).
+
+    q (Bd, Hq, D), or (Bd, Q, Hq, D) for Q new tokens per sequence (a speculative verify: token i sees
+    `seq_lens[b] - (Q - 1 - i)` tokens) -> the same shape. The C kernel scores all Q while it reads the context
+    once; the compiled loop takes each token as a decode of its own length.
+    """
     if cpu_kernels.supports(q, key_cache):
         return cpu_kernels.c_paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale)
-    return compiled_paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale)
+    if q.dim() == 3:
+        return compiled_paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale)
+    num_queries = q.shape[1]
+    row_lens = seq_lens[:, None] - torch.arange(num_queries - 1, -1, -1, device=q.device)[None, :]  # (Bd, Q)
+    out = compiled_paged_decode_attention(
+        q.flatten(0, 1), key_cache, value_cache, block_tables.repeat_interleave(num_queries, dim=0),
+        row_lens.flatten(), scale,
+    )  # (Bd * Q, Hq, D)
+    return out.view_as(q)
 
 
 class InductorAttentionBackend(TorchAttentionBackend):
-    """The torch backend with its decodes attended in place (`fast_decode_attention`)."""
+    """The torch backend with its decodes attended in place (`fast_decode_attention`), and so is every sequence of
+    up to 16 new tokens: a speculative verify of 1 + k tokens costs the C kernel one read of the context, where the
+    prefill path would copy it out of its blocks, one sequence at a time."""
 
     decode_attention = staticmethod(fast_decode_attention)
+    max_decode_query_len = 16

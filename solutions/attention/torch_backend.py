@@ -58,36 +58,44 @@ class TorchAttentionBackend:
     """
 
     decode_attention = staticmethod(batched_decode_attention)
+    max_decode_query_len = 1  # sequences with at most this many new tokens are attended by `decode_attention`
 
     def __init__(self, kv_cache: KVCache, metadata: AttentionMetadata) -> None:
-        """`metadata` on the host; what the ops index with is copied here, once per step, to the cache's device."""
+        """`metadata` on the host; what the ops index with is copied here, once per step, to the cache's device.
+
+        The sequences of up to `max_decode_query_len` new tokens are grouped by that number n (1: decodes; 1 + k: a
+        speculative verify, where the subclass's kernel takes n queries per sequence): one `decode_attention`
+        call per group, its rows, block tables and lengths prepared here.
+        """
         self.kv_cache, self.metadata = kv_cache, metadata
         device = kv_cache.key_caches[0].device
         self.query_starts, self.seq_lens = metadata.query_start_loc.tolist(), metadata.seq_lens.tolist()  # host
         query_lens = [end - start for start, end in zip(self.query_starts, self.query_starts[1:])]  # (B,)
-        self.decodes = [b for b, n in enumerate(query_lens) if n == 1]
-        self.prefills = [b for b, n in enumerate(query_lens) if n > 1]
-        decodes = torch.tensor(self.decodes, dtype=torch.long)
+        self.prefills = [b for b, n in enumerate(query_lens) if n > self.max_decode_query_len]
         self.slot_mapping = metadata.slot_mapping.to(device)  # (T,)
-        self.decode_rows = metadata.query_start_loc[decodes].to(device)  # (Bd,) row of each decode's token
-        tables = metadata.block_table_tensor[decodes]  # (Bd, max_blocks) int32
-        self.decode_block_tables = tables.to(device=device, dtype=torch.long)  # (Bd, max_blocks)
-        self.decode_seq_lens = metadata.seq_lens[decodes].to(device)  # (Bd,)
+        # n -> (rows (Bn * n,), block tables (Bn, max_blocks), seq_lens (Bn,)) of the Bn sequences of n new tokens
+        self.decode_groups: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        for n in sorted({n for n in query_lens if n <= self.max_decode_query_len}):
+            seqs = [b for b, length in enumerate(query_lens) if length == n]
+            rows = torch.tensor([self.query_starts[b] + i for b in seqs for i in range(n)], device=device)
+            tables = metadata.block_table_tensor[torch.tensor(seqs)].to(device=device, dtype=torch.long)
+            self.decode_groups[n] = rows, tables, metadata.seq_lens[seqs].to(device)
+        self.decodes_only = len(self.decode_groups) == 1 and not self.prefills  # then the rows are 0 .. T - 1
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (T, Hq, D), k and v (T, Hkv, D) for the step's T new tokens -> (T, Hq, D)."""
         key_cache, value_cache = self.kv_cache.key_caches[layer_idx], self.kv_cache.value_caches[layer_idx]
         write_to_kv_cache(k, v, key_cache, value_cache, self.slot_mapping)
         scale = q.shape[-1] ** -0.5
-        if len(self.decodes) == q.shape[0]:  # a pure decode step (most steps): row b is sequence b's token
-            return self.decode_attention(
-                q, key_cache, value_cache, self.decode_block_tables, self.decode_seq_lens, scale
-            )
+        if self.decodes_only:  # a pure decode (or verify) step, most steps: no scatter of the output
+            ((n, (_, tables, seq_lens)),) = self.decode_groups.items()
+            queries = q if n == 1 else q.view(-1, n, *q.shape[1:])  # (Bd, Hq, D) or (Bd, n, Hq, D)
+            return self.decode_attention(queries, key_cache, value_cache, tables, seq_lens, scale).view_as(q)
         out = torch.empty_like(q)
-        if self.decodes:
-            out[self.decode_rows] = self.decode_attention(
-                q[self.decode_rows], key_cache, value_cache, self.decode_block_tables, self.decode_seq_lens, scale
-            )
+        for n, (rows, tables, seq_lens) in self.decode_groups.items():
+            queries = q[rows] if n == 1 else q[rows].view(-1, n, *q.shape[1:])
+            attended = self.decode_attention(queries, key_cache, value_cache, tables, seq_lens, scale)
+            out[rows] = attended.reshape(-1, *q.shape[1:])  # (Bn * n, Hq, D)
         starts, seq_lens = self.query_starts, self.seq_lens
         for b in self.prefills:
             rows = slice(starts[b], starts[b + 1])

@@ -21,6 +21,9 @@ A seeded sequence thus draws the same tokens whatever shares its batch, and with
 `sample` does. Greedy sequences draw nothing. Penalties and logit processors are the caller's, applied to
 `target_logits` before this.
 
+`rejection_sample` takes the whole batch (the rows of every sequence, its processed distributions computed
+batched) and verifies one sequence at a time: `rejection_greedy_sample` or `rejection_random_sample`.
+
 Where this lives in vLLM: `vllm/v1/sample/rejection_sampler.py` (`RejectionSampler`, `rejection_sample`,
 `sample_recovered_tokens`); vLLM samples the bonus token outside, with the ordinary sampler, and draws the
 recovered token with the exponential race (Gumbel-max) instead of an inverse CDF.
@@ -59,19 +62,56 @@ def _check_inputs(
             )
 
 
-def _sample_greedy(argmax: list[int], draft: list[int]) -> list[int]:
-    """Accept while the draft equals the target's argmax (argmax has k + 1 entries), then the target's token."""
+def rejection_greedy_sample(target_argmax: list[int], draft_token_ids: list[int]) -> list[int]:
+    """One greedy sequence: accept its drafts while each equals the target's argmax at its position, then emit the
+    target's argmax at the first mismatch, or at the bonus row when all k match. `target_argmax` has k + 1 entries."""
     accepted = 0
-    while accepted < len(draft) and draft[accepted] == argmax[accepted]:
+    while accepted < len(draft_token_ids) and draft_token_ids[accepted] == target_argmax[accepted]:
         accepted += 1
-    return draft[:accepted] + [argmax[accepted]]
+    return draft_token_ids[:accepted] + [target_argmax[accepted]]
 
 
-def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Per row of non-negative weights (B, V), the token whose cumulative weight first exceeds uniform * total."""
     cdf = weights.cumsum(dim=-1)  # (B, V)
     choice = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).squeeze(1)  # (B,)
     return choice.clamp(max=weights.shape[-1] - 1)  # guard the float edge u * total == total
+
+
+def rejection_random_sample(
+    target_probs: torch.Tensor, draft_token_ids: list[int], draft_probs: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> list[int]:
+    """One random sequence: its accepted drafts, then one token drawn from the residual or, all accepted, from p.
+
+    target_probs (k + 1, V) is the target's processed distribution p at the k draft rows and the bonus row;
+    draft_probs (k, V) the draft model's q, None for an n-gram draft (q one-hot on each draft token). Exactly
+    k + 1 uniforms are drawn from `generator` (the global one if None), on the host: k accept tests, then the final
+    token by inverse CDF.
+    """
+    num_drafts, device = len(draft_token_ids), target_probs.device
+    uniform = torch.rand(num_drafts + 1, generator=generator).to(device)  # (k + 1,)
+    drafts = torch.tensor(draft_token_ids, dtype=torch.long, device=device)  # (k,)
+    positions = torch.arange(num_drafts, device=device)  # (k,)
+    q_of_draft = torch.ones(num_drafts, device=device) if draft_probs is None else draft_probs[positions, drafts]
+    # Accept test at every draft position: u * q(x) < p(x), i.e. with probability min(1, p(x) / q(x)) for u in
+    # [0, 1). At the measure-zero edges it never accepts p(x) = 0 and accepts q(x) = 0 < p(x) (vLLM's p / q >= u
+    # rejects q(x) = 0 and accepts p(x) = 0 when u = 0).
+    accept = (uniform[:num_drafts] * q_of_draft < target_probs[positions, drafts]).tolist()  # (k,)
+    num_accepted = accept.index(False) if False in accept else num_drafts
+    p = target_probs[num_accepted]  # (V,) at the first rejected position, or the bonus row
+    weights = p
+    if num_accepted < num_drafts:  # rejected: draw from the mass p has beyond q, normalise(max(0, p - q))
+        if draft_probs is None:
+            q = torch.zeros_like(p)
+            q[draft_token_ids[num_accepted]] = 1.0
+        else:
+            q = draft_probs[num_accepted]
+        residual = (p - q).clamp(min=0.0)  # (V,)
+        # p == q up to rounding leaves no residual mass (and then rejection had probability ~0): draw from p
+        weights = residual if residual.sum() > 0 else p
+    final = int(inverse_cdf(weights[None], uniform[num_drafts:])[0])
+    return draft_token_ids[:num_accepted] + [final]
 
 
 def rejection_sample(
@@ -95,7 +135,7 @@ def rejection_sample(
     if greedy:
         argmax = logits.argmax(dim=-1).tolist()  # (N,)
         for i in greedy:
-            outputs[i] = _sample_greedy(argmax[starts[i] : starts[i] + num_drafts[i] + 1], draft_token_ids[i])
+            outputs[i] = rejection_greedy_sample(argmax[starts[i] : starts[i + 1]], draft_token_ids[i])
 
     randoms = [i for i, p in enumerate(params) if not p.greedy]
     if not randoms:
@@ -117,43 +157,8 @@ def rejection_sample(
         probs = torch.softmax(
             apply_top_k_top_p_min_p(logits[rows] / temperature[:, None], top_k, top_p, min_p), dim=-1
         )  # (R, V)
-    # k_i + 1 uniforms per sequence from its own generator, on the host: k_i accept tests, then the final token
-    uniform = torch.cat([torch.rand(num_drafts[i] + 1, generator=generators[i]) for i in randoms]).to(device)  # (R,)
-
-    # Accept test at every draft position: u * q(x) < p(x), i.e. with probability min(1, p(x) / q(x)) for u in
-    # [0, 1). At the measure-zero edges it never accepts p(x) = 0 and accepts q(x) = 0 < p(x) (vLLM's p / q >= u
-    # rejects q(x) = 0 and accepts p(x) = 0 when u = 0).
-    draft_rows = [local_starts[b] + j for b, i in enumerate(randoms) for j in range(num_drafts[i])]
-    drafts = torch.tensor([t for i in randoms for t in draft_token_ids[i]], dtype=torch.long, device=device)  # (D,)
-    q_rows = {i: draft_probs[i].to(device=device, dtype=torch.float32)
-              for i in randoms if draft_probs is not None and draft_probs[i] is not None}
-    q_of_draft = torch.cat([
-        q_rows[i][torch.arange(num_drafts[i], device=device), draft_token_ids[i]] if i in q_rows
-        else torch.ones(num_drafts[i], device=device)  # n-gram: q is one-hot on the draft token
-        for i in randoms
-    ])  # (D,)
-    accept = (uniform[draft_rows] * q_of_draft < probs[draft_rows, drafts]).tolist()  # (D,)
-
-    # The final token: at the first rejected position from max(0, p - q), else the bonus token from p.
-    num_accepted, cursor = [], 0
-    for i in randoms:
-        run = accept[cursor : cursor + num_drafts[i]]
-        num_accepted.append(run.index(False) if False in run else num_drafts[i])
-        cursor += num_drafts[i]
-    final_rows = [local_starts[b] + n for b, n in enumerate(num_accepted)]
-    q_final = torch.zeros(len(randoms), vocab_size, device=device)  # (Br, V) zero where nothing was rejected
-    for b, (i, n) in enumerate(zip(randoms, num_accepted, strict=True)):
-        if n < num_drafts[i]:
-            if i in q_rows:
-                q_final[b] = q_rows[i][n]
-            else:
-                q_final[b, draft_token_ids[i][n]] = 1.0
-    p_final = probs[final_rows]  # (Br, V)
-    residual = (p_final - q_final).clamp(min=0.0)  # (Br, V)
-    # p == q up to rounding leaves no residual mass (and then rejection had probability ~0): draw from p
-    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_final)
-    last_uniforms = [local_starts[b] + num_drafts[i] for b, i in enumerate(randoms)]  # each sequence's (k_i+1)-th
-    final = _inverse_cdf(residual, uniform[last_uniforms]).tolist()  # (Br,)
-    for b, (i, n) in enumerate(zip(randoms, num_accepted, strict=True)):
-        outputs[i] = draft_token_ids[i][:n] + [final[b]]
+    for b, i in enumerate(randoms):  # one sequence at a time, each drawing from its own generator
+        q = None if draft_probs is None or draft_probs[i] is None else draft_probs[i].to(device, torch.float32)
+        target = probs[local_starts[b] : local_starts[b + 1]]  # (k_i + 1, V)
+        outputs[i] = rejection_random_sample(target, draft_token_ids[i], q, generators[i])
     return outputs
