@@ -1,0 +1,266 @@
+"""Plausible wrong answers to chapter 10's exercises; each must fail at least one test of its exercise.
+
+The class exercise is mutated by subclassing the reference and overriding the method that goes wrong.
+"""
+
+from collections.abc import Sequence as TokenIds
+
+import torch
+
+from solutions.core.kv_cache_manager import KVCacheManager
+from solutions.core.sequence import Sequence
+from solutions.sample import rejection_sampler
+from solutions.spec_decode.ngram_proposer import NgramProposer
+
+# The reference functions, taken when this module is loaded: inside a capstone's `swap_in` the module attribute is
+# the mutant itself, and a mutant that deferred to it would only recurse.
+reference_random_sample = rejection_sampler.rejection_random_sample
+inverse_cdf = rejection_sampler.inverse_cdf
+
+# --- NgramProposer --------------------------------------------------------------------------------------------------
+
+
+def _search(tokens: list[int], lengths: range, starts_from_the_right: bool) -> tuple[int, int] | None:
+    """(n, start) of the first earlier occurrence of the context's n-token suffix, trying n in `lengths` order."""
+    for n in lengths:
+        starts = range(len(tokens) - n)
+        for start in reversed(starts) if starts_from_the_right else starts:
+            if tokens[start : start + n] == tokens[len(tokens) - n :]:
+                return n, start
+    return None
+
+
+class NgramRightmostOccurrence(NgramProposer):
+    """Copies after the most recent occurrence of the longest suffix, not the first (vLLM takes the first)."""
+
+    def propose(self, token_ids: TokenIds[int]) -> list[int]:
+        tokens = list(token_ids)
+        found = _search(tokens, range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1), True)
+        return [] if found is None else tokens[found[1] + found[0] : found[1] + found[0] + self.k]
+
+
+class NgramSuffixWithoutTheLastToken(NgramProposer):
+    """Off by one: matches the suffix that ends one token before the last, so it proposes the token that followed
+    that one — usually the context's own last token again."""
+
+    def propose(self, token_ids: TokenIds[int]) -> list[int]:
+        tokens = list(token_ids)[:-1]
+        found = _search(tokens, range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1), False)
+        return [] if found is None else list(token_ids)[found[1] + found[0] : found[1] + found[0] + self.k]
+
+
+class NgramShortestSuffixFirst(NgramProposer):
+    """Tries suffix lengths from prompt_lookup_min upwards and takes the first that occurs: the shortest match."""
+
+    def propose(self, token_ids: TokenIds[int]) -> list[int]:
+        tokens = list(token_ids)
+        found = _search(tokens, range(self.min_n, min(self.max_n, len(tokens) - 1) + 1), False)
+        return [] if found is None else tokens[found[1] + found[0] : found[1] + found[0] + self.k]
+
+
+class NgramIgnoresPromptLookupMin(NgramProposer):
+    """Accepts a suffix of any length from 1, whatever prompt_lookup_min says."""
+
+    def propose(self, token_ids: TokenIds[int]) -> list[int]:
+        tokens = list(token_ids)
+        found = _search(tokens, range(min(self.max_n, len(tokens) - 1), 0, -1), False)
+        return [] if found is None else tokens[found[1] + found[0] : found[1] + found[0] + self.k]
+
+
+class NgramProposesTheMatchItself(NgramProposer):
+    """Proposes from the start of the occurrence instead of after it: the suffix again, then what followed."""
+
+    def propose(self, token_ids: TokenIds[int]) -> list[int]:
+        tokens = list(token_ids)
+        found = _search(tokens, range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1), False)
+        return [] if found is None else tokens[found[1] : found[1] + self.k]
+
+
+# --- rejection_greedy_sample ----------------------------------------------------------------------------------------
+
+
+def greedy_accepts_the_first_mismatch(target_argmax: list[int], draft_token_ids: list[int]) -> list[int]:
+    """Keeps the draft at the first mismatch instead of replacing it with the target's token."""
+    accepted = 0
+    while accepted < len(draft_token_ids) and draft_token_ids[accepted] == target_argmax[accepted]:
+        accepted += 1
+    if accepted < len(draft_token_ids):
+        return draft_token_ids[: accepted + 1]
+    return draft_token_ids + [target_argmax[accepted]]
+
+
+def greedy_forgets_the_bonus_token(target_argmax: list[int], draft_token_ids: list[int]) -> list[int]:
+    """When every draft is accepted, returns the drafts alone: the bonus row's token is lost."""
+    accepted = 0
+    while accepted < len(draft_token_ids) and draft_token_ids[accepted] == target_argmax[accepted]:
+        accepted += 1
+    if accepted == len(draft_token_ids) and draft_token_ids:
+        return list(draft_token_ids)
+    return draft_token_ids[:accepted] + [target_argmax[accepted]]
+
+
+def greedy_keeps_matches_after_a_mismatch(target_argmax: list[int], draft_token_ids: list[int]) -> list[int]:
+    """Judges every draft on its own: a draft after a rejected one is kept when it equals the argmax there."""
+    kept = [t for t, want in zip(draft_token_ids, target_argmax, strict=False) if t == want]
+    return kept + [target_argmax[len(kept)]]
+
+
+def greedy_compares_with_the_next_row(target_argmax: list[int], draft_token_ids: list[int]) -> list[int]:
+    """Off by one: compares draft j with the target's choice at row j + 1 (the row that comes after it)."""
+    accepted = 0
+    while accepted < len(draft_token_ids) and draft_token_ids[accepted] == target_argmax[accepted + 1]:
+        accepted += 1
+    return draft_token_ids[:accepted] + [target_argmax[accepted]]
+
+
+# --- rejection_random_sample ----------------------------------------------------------------------------------------
+
+
+def _verdicts(target_probs: torch.Tensor, draft_token_ids: list[int], draft_probs: torch.Tensor | None,
+              uniform: torch.Tensor) -> int:
+    """How many drafts the reference's accept test takes, for these uniforms."""
+    for j, token in enumerate(draft_token_ids):
+        q = 1.0 if draft_probs is None else float(draft_probs[j, token])
+        if not float(uniform[j]) * q < float(target_probs[j, token]):
+            return j
+    return len(draft_token_ids)
+
+
+def random_resamples_from_p(target_probs: torch.Tensor, draft_token_ids: list[int], draft_probs: torch.Tensor | None,
+                            generator: torch.Generator | None) -> list[int]:
+    """On rejection draws the replacement from p itself instead of normalise(max(0, p - q)): the rejected token
+    can come back, so it is drawn more often than p says."""
+    uniform = torch.rand(len(draft_token_ids) + 1, generator=generator)
+    accepted = _verdicts(target_probs, draft_token_ids, draft_probs, uniform)
+    final = int(inverse_cdf(target_probs[accepted][None], uniform[-1:])[0])
+    return draft_token_ids[:accepted] + [final]
+
+
+def random_forgets_the_bonus_token(target_probs: torch.Tensor, draft_token_ids: list[int],
+                                   draft_probs: torch.Tensor | None, generator: torch.Generator | None) -> list[int]:
+    """When every draft is accepted, returns the drafts alone."""
+    out = reference_random_sample(target_probs, draft_token_ids, draft_probs, generator)
+    return out[:-1] if draft_token_ids and out[:-1] == draft_token_ids else out
+
+
+def random_uses_the_global_generator(target_probs: torch.Tensor, draft_token_ids: list[int],
+                                     draft_probs: torch.Tensor | None, generator: torch.Generator | None) -> list[int]:
+    """Draws from torch's global generator, ignoring the sequence's own: a seed reproduces nothing, and what a
+    sequence draws depends on everything else that drew before it."""
+    return reference_random_sample(target_probs, draft_token_ids, draft_probs, None)
+
+
+def random_keeps_the_rejected_draft(target_probs: torch.Tensor, draft_token_ids: list[int],
+                                    draft_probs: torch.Tensor | None, generator: torch.Generator | None) -> list[int]:
+    """Accepts the first rejected draft anyway, and ends there: its token is the draft, not the target's."""
+    uniform = torch.rand(len(draft_token_ids) + 1, generator=generator)
+    accepted = _verdicts(target_probs, draft_token_ids, draft_probs, uniform)
+    if accepted < len(draft_token_ids):
+        return draft_token_ids[: accepted + 1]
+    return draft_token_ids + [int(inverse_cdf(target_probs[accepted][None], uniform[-1:])[0])]
+
+
+def random_draws_only_what_it_needs(target_probs: torch.Tensor, draft_token_ids: list[int],
+                                    draft_probs: torch.Tensor | None, generator: torch.Generator | None) -> list[int]:
+    """Draws a uniform per accept test only until the first rejection: correct in distribution, but how far the
+    generator moves depends on the verdicts, so a seeded sequence's later steps change with them."""
+    accepted = len(draft_token_ids)
+    for j, token in enumerate(draft_token_ids):
+        q = 1.0 if draft_probs is None else float(draft_probs[j, token])
+        if not float(torch.rand(1, generator=generator)) * q < float(target_probs[j, token]):
+            accepted = j
+            break
+    p = target_probs[accepted]
+    weights = p
+    if accepted < len(draft_token_ids):
+        q_row = torch.zeros_like(p) if draft_probs is None else draft_probs[accepted]
+        if draft_probs is None:
+            q_row[draft_token_ids[accepted]] = 1.0
+        residual = (p - q_row).clamp(min=0.0)
+        weights = residual if residual.sum() > 0 else p
+    final = int(inverse_cdf(weights[None], torch.rand(1, generator=generator))[0])
+    return draft_token_ids[:accepted] + [final]
+
+
+# --- hand_back_rejected_drafts --------------------------------------------------------------------------------------
+
+
+def hand_back_rolls_back_twice(kv_cache_manager: KVCacheManager, seq: Sequence, start: int, num_drafts: int,
+                               num_sampled: int) -> None:
+    """Subtracts the rejected drafts from num_computed_tokens, then sets it to start + num_sampled minus them
+    again: verified tokens are recomputed for nothing."""
+    num_rejected = num_drafts + 1 - num_sampled
+    seq.num_computed_tokens = start + num_sampled - num_rejected
+    kv_cache_manager.free_unverified_blocks(seq)
+    kv_cache_manager.cache_blocks(seq, start, seq.num_computed_tokens)
+
+
+def hand_back_never_rolls_back(kv_cache_manager: KVCacheManager, seq: Sequence, start: int, num_drafts: int,
+                               num_sampled: int) -> None:
+    """Leaves num_computed_tokens where scheduling put it: the rejected drafts' K/V count as the sequence's."""
+    kv_cache_manager.free_unverified_blocks(seq)
+    kv_cache_manager.cache_blocks(seq, start, min(seq.num_computed_tokens, start + num_sampled))
+
+
+def hand_back_never_frees(kv_cache_manager: KVCacheManager, seq: Sequence, start: int, num_drafts: int,
+                          num_sampled: int) -> None:
+    """Rolls back but keeps the blocks only rejected drafts used: they stay held until the sequence finishes."""
+    seq.num_computed_tokens -= num_drafts + 1 - num_sampled
+    kv_cache_manager.cache_blocks(seq, start, seq.num_computed_tokens)
+
+
+def hand_back_hashes_the_drafted_range(kv_cache_manager: KVCacheManager, seq: Sequence, start: int, num_drafts: int,
+                                       num_sampled: int) -> None:
+    """Registers the blocks full within everything the step computed, start + 1 + num_drafts positions: a block
+    whose slots hold a rejected draft's K/V becomes a prefix-cache hit for the sequence's real tokens."""
+    seq.num_computed_tokens -= num_drafts + 1 - num_sampled
+    kv_cache_manager.free_unverified_blocks(seq)
+    kv_cache_manager.cache_blocks(seq, start, min(start + 1 + num_drafts, seq.num_tokens))
+
+
+def hand_back_hashes_the_newest_token(kv_cache_manager: KVCacheManager, seq: Sequence, start: int, num_drafts: int,
+                                      num_sampled: int) -> None:
+    """Registers the blocks full within all of the sequence's tokens, the newest included, whose K/V is computed
+    only next step (its slot still holds a rejected draft's)."""
+    seq.num_computed_tokens -= num_drafts + 1 - num_sampled
+    kv_cache_manager.free_unverified_blocks(seq)
+    kv_cache_manager.cache_blocks(seq, start, seq.num_tokens)
+
+
+def hand_back_never_caches(kv_cache_manager: KVCacheManager, seq: Sequence, start: int, num_drafts: int,
+                           num_sampled: int) -> None:
+    """Rolls back and frees, but registers nothing: the blocks accepted drafts filled never serve a prefix hit."""
+    seq.num_computed_tokens -= num_drafts + 1 - num_sampled
+    kv_cache_manager.free_unverified_blocks(seq)
+
+
+MUTANTS = {
+    "ngram_rightmost_occurrence": {"NgramProposer": NgramRightmostOccurrence},
+    "ngram_suffix_without_the_last_token": {"NgramProposer": NgramSuffixWithoutTheLastToken},
+    "ngram_shortest_suffix_first": {"NgramProposer": NgramShortestSuffixFirst},
+    "ngram_ignores_prompt_lookup_min": {"NgramProposer": NgramIgnoresPromptLookupMin},
+    "ngram_proposes_the_match_itself": {"NgramProposer": NgramProposesTheMatchItself},
+    "greedy_accepts_the_first_mismatch": {"rejection_greedy_sample": greedy_accepts_the_first_mismatch},
+    "greedy_forgets_the_bonus_token": {"rejection_greedy_sample": greedy_forgets_the_bonus_token},
+    "greedy_keeps_matches_after_a_mismatch": {"rejection_greedy_sample": greedy_keeps_matches_after_a_mismatch},
+    "greedy_compares_with_the_next_row": {"rejection_greedy_sample": greedy_compares_with_the_next_row},
+    "random_resamples_from_p": {"rejection_random_sample": random_resamples_from_p},
+    "random_forgets_the_bonus_token": {"rejection_random_sample": random_forgets_the_bonus_token},
+    "random_uses_the_global_generator": {"rejection_random_sample": random_uses_the_global_generator},
+    "random_keeps_the_rejected_draft": {"rejection_random_sample": random_keeps_the_rejected_draft},
+    "random_draws_only_what_it_needs": {"rejection_random_sample": random_draws_only_what_it_needs},
+    "hand_back_rolls_back_twice": {"hand_back_rejected_drafts": hand_back_rolls_back_twice},
+    "hand_back_never_rolls_back": {"hand_back_rejected_drafts": hand_back_never_rolls_back},
+    "hand_back_never_frees": {"hand_back_rejected_drafts": hand_back_never_frees},
+    "hand_back_hashes_the_drafted_range": {"hand_back_rejected_drafts": hand_back_hashes_the_drafted_range},
+    "hand_back_hashes_the_newest_token": {"hand_back_rejected_drafts": hand_back_hashes_the_newest_token},
+    "hand_back_never_caches": {"hand_back_rejected_drafts": hand_back_never_caches},
+}
+
+# One mutant per exercise that must also break the capstone (the capstone runs every piece).
+CAPSTONE_MUTANTS = {
+    "NgramProposer": "ngram_proposes_the_match_itself",
+    "rejection_greedy_sample": "greedy_accepts_the_first_mismatch",
+    "rejection_random_sample": "random_keeps_the_rejected_draft",
+    "hand_back_rejected_drafts": "hand_back_never_rolls_back",
+}
