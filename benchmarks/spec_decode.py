@@ -1,15 +1,18 @@
 """Speculative decoding with n-gram drafts against the same engine without it: where it pays, and what it costs.
 
-    python -m benchmarks.spec_decode            # batch 1, 8 and 64 on both workloads, 3 paired repeats (~10 min)
+    python -m benchmarks.spec_decode            # batch 1, 8 and 64 on the three workloads, 3 paired repeats (~10 min)
     python -m benchmarks.spec_decode --quick    # batch 1 and 8, 32 tokens, 2 repeats: a smoke run
     python -m benchmarks.spec_decode --save chapters/10_speculative_decoding/spec_decode.json
     python -m benchmarks.spec_decode --vllm-python VENV/bin/python   # vLLM's CPU build on the same prompts beside it
 
-Two workloads, each at batch 1, 8 and 64 (that many requests submitted at once, greedy, exactly `--max-tokens`
+Three workloads, each at batch 1, 8 and 64 (that many requests submitted at once, greedy, exactly `--max-tokens`
 output tokens each, EOS ignored):
 
 - copying: "rename this variable" requests over standard-library functions (`copying_prompts`), SmolLM2-Instruct's
   chat template. The answer copies most of the prompt, so the n-gram proposer's drafts are often right;
+- explaining: "explain this function in two or three sentences" requests over the same functions
+  (`explaining_prompts`): the answer is new prose that quotes a name now and then, so drafts are few and mostly
+  rejected: what speculation costs a chat assistant;
 - w64: workload W64's prompts of random token ids (`benchmarks/w64.py`): nothing in the prompt to copy. But
   SmolLM2's greedy continuation of random tokens falls into a short loop within a few tokens ("-Santoramacos-
   Santoramacos-...", "1111..."), and the proposer copies the loop from the output itself: acceptance near 1.
@@ -62,7 +65,7 @@ import time
 from pathlib import Path
 
 MODEL = "smollm2-135m"
-WORKLOADS = ("copying", "w64")
+WORKLOADS = ("copying", "explaining", "w64")
 MODES = ("plain", "spec")
 BLOCK_SIZE = 128  # the fast path's block, vLLM's CPU default
 # vLLM's processes keep polling their shared-memory queue for 1 s after their last message, then wait idle
@@ -115,6 +118,33 @@ def copying_prompts(tokenizer, num_prompts: int, seed: int = 0) -> list[list[int
     The answer is mostly a copy of the prompt's code, the workload n-gram drafts are made for (an editing
     assistant's). Functions are drawn by `seed` among `stdlib_functions()` whose prompt stays under
     MAX_PROMPT_TOKENS; the variable, among those it uses twice or more."""
+
+    def rename(source: str, names: tuple[str, ...], rng: random.Random) -> str | None:
+        variables = renamable_variables(source, names)
+        if not variables:
+            return None
+        old = rng.choice(variables)
+        return (f"Rewrite this Python function with the variable `{old}` renamed to `new_{old}`. "
+                f"Output only the code.\n\n```python\n{source}```")
+
+    return chat_prompts(tokenizer, num_prompts, seed, rename)
+
+
+def explaining_prompts(tokenizer, num_prompts: int, seed: int = 0) -> list[list[int]]:
+    """Chat-templated "explain this function in words" requests over the same standard-library functions: the
+    answer is new prose that quotes a name now and then, so drafts are few and mostly rejected (a chat
+    assistant's workload, where speculation costs rather than pays)."""
+
+    def explain(source: str, names: tuple[str, ...], rng: random.Random) -> str:
+        return (f"Explain in two or three sentences what this Python function does. Do not repeat the code."
+                f"\n\n```python\n{source}```")
+
+    return chat_prompts(tokenizer, num_prompts, seed, explain)
+
+
+def chat_prompts(tokenizer, num_prompts: int, seed: int, request_for) -> list[list[int]]:
+    """One chat request per standard-library function, drawn by `seed`, as token ids under MAX_PROMPT_TOKENS;
+    `request_for(source, names, rng)` words it (None skips the function)."""
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
     rng = random.Random(seed)
@@ -122,12 +152,9 @@ def copying_prompts(tokenizer, num_prompts: int, seed: int = 0) -> list[list[int
     rng.shuffle(candidates)
     prompts = []
     for _, source, names in candidates:
-        variables = renamable_variables(source, names)
-        if not variables:
+        request = request_for(source, names, rng)
+        if request is None:
             continue
-        old = rng.choice(variables)
-        request = (f"Rewrite this Python function with the variable `{old}` renamed to `new_{old}`. "
-                   f"Output only the code.\n\n```python\n{source}```")
         text = tokenizer.apply_chat_template([{"role": "user", "content": request}], add_generation_prompt=True,
                                              tokenize=False)
         token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -143,6 +170,8 @@ def workload_prompts(workload: str, tokenizer, batch_size: int, seed: int = 0) -
     """The first `batch_size` prompts of a workload, as token ids."""
     if workload == "copying":
         return copying_prompts(tokenizer, batch_size, seed)
+    if workload == "explaining":
+        return explaining_prompts(tokenizer, batch_size, seed)
     if workload == "w64":
         from benchmarks.w64 import draw_workload
 

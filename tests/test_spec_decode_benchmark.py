@@ -8,6 +8,7 @@ from benchmarks.spec_decode import (
     add_speedups,
     copying_prompts,
     expected_tokens_per_step,
+    explaining_prompts,
     paired_rows,
     parse_args,
     percentile,
@@ -40,6 +41,9 @@ def test_copying_prompts_are_seeded_chat_requests_to_copy_code():
         copying_prompts(tokenizer, 10_000)
     assert workload_prompts("copying", tokenizer, 2) == prompts[:2]  # batch b runs the first b of the workload
     assert workload_prompts("w64", tokenizer, 2) == draw_workload(len(tokenizer))[0][:2]
+    explaining = explaining_prompts(tokenizer, 2)
+    assert explaining == workload_prompts("explaining", tokenizer, 2) and explaining != prompts[:2]
+    assert all("Explain in two or three sentences" in tokenizer.decode(p) for p in explaining)
     with pytest.raises(ValueError, match="workload must be one of"):
         workload_prompts("sharegpt", tokenizer, 2)
 
