@@ -92,11 +92,9 @@ import contextlib
 import json
 import math
 import os
-import platform
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -108,6 +106,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import numpy as np
 
+from benchmarks.machine import measured_on
 from benchmarks.workload import MAX_MODEL_LEN as SHAREGPT_MAX_MODEL_LEN
 from benchmarks.workload import sample_lengths
 from solutions.worker.model_runner import ATTENTION_BACKENDS
@@ -641,18 +640,6 @@ def plot_fig12(result: dict, path: Path) -> None:
 # ---- command line -------------------------------------------------------------------------------------------
 
 
-def measured_on() -> dict:
-    """Where, when and how a stored run was made: its numbers mean nothing without the machine."""
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-        cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), None)
-    except OSError:
-        cpu = None
-    return dict(machine=f"{cpu or platform.processor() or 'unknown CPU'}, {os.cpu_count()} logical cores",
-                date=time.strftime("%Y-%m-%d", time.gmtime()),
-                command="python -m benchmarks.serving " + " ".join(sys.argv[1:]))
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, checked, with the defaults that depend on other flags filled in."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -729,7 +716,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.plot:
         (plot_fig12 if args.fig12 else plot_serving)(result, args.plot)
     if args.save:
-        result["measured"] = measured_on()
+        result["measured"] = measured_on("benchmarks.serving")
         args.save.write_text(json.dumps(result, indent=1) + "\n")
     if args.json:
         print(json.dumps(result))

@@ -53,7 +53,6 @@ import inspect
 import json
 import keyword
 import os
-import platform
 import random
 import re
 import statistics
@@ -209,6 +208,18 @@ def latency_summary(latencies: list[float]) -> dict[str, float]:
             "latency_p90_s": percentile(latencies, 90)}
 
 
+def drain(engine, start: float) -> tuple[dict[str, list[int]], dict[str, float]]:
+    """Step an engine (ours or vLLM's `LLMEngine`, the same calls) until it is idle: each request's output tokens
+    and its latency from `start` to its last token."""
+    tokens, latencies = {}, {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                latencies[output.request_id] = time.perf_counter() - start
+                tokens[output.request_id] = list(output.outputs[0].token_ids)
+    return tokens, latencies
+
+
 def run_once(llm, prompts: list[list[int]], max_tokens: int) -> dict:
     """Every prompt submitted at once, the engine stepped until all are done: the output tokens, the wall time,
     each request's latency, and the counters of the engine's steps (`SchedulerStats`)."""
@@ -222,12 +233,7 @@ def run_once(llm, prompts: list[list[int]], max_tokens: int) -> dict:
     engine.stats.steps.clear()
     start = time.perf_counter()
     engine.add_requests([(request_id, prompt, params, 0) for request_id, prompt in zip(request_ids, prompts)])
-    tokens, latencies = {}, {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                latencies[output.request_id] = time.perf_counter() - start
-                tokens[output.request_id] = list(output.outputs[0].token_ids)
+    tokens, latencies = drain(engine, start)
     seconds = time.perf_counter() - start
     steps = engine.stats.steps
     decode_steps = [s for s in steps if s.num_prefill_tokens == 0]
@@ -341,12 +347,7 @@ def vllm_run_once(llm, prompts: list[list[int]], max_tokens: int) -> dict:
     start = time.perf_counter()
     for request_id, prompt in zip(request_ids, prompts):
         engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
-    tokens, latencies = {}, {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                latencies[output.request_id] = time.perf_counter() - start
-                tokens[output.request_id] = list(output.outputs[0].token_ids)
+    tokens, latencies = drain(engine, start)
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "tokens": [tokens[r] for r in request_ids],
             "latencies": [latencies[r] for r in request_ids],
@@ -405,18 +406,6 @@ def run_vllm(args: argparse.Namespace, batches: list[dict]) -> dict:
 
 
 # ---- the table and the command line ----
-
-def measured_on() -> dict:
-    """Where and when a run was made: its numbers mean nothing without the machine."""
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-        cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), None)
-    except OSError:
-        cpu = None
-    return {"machine": f"{cpu or platform.processor() or 'unknown CPU'}, {os.cpu_count()} logical cores",
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "command": "python -m benchmarks.spec_decode " + " ".join(sys.argv[1:])}
-
 
 def spread(values: list[float]) -> str:
     return f"{statistics.median(values):7.1f} ({min(values):.0f}-{max(values):.0f})"
@@ -499,6 +488,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from benchmarks.machine import measured_on
     from solutions.model.loader import load_tokenizer
 
     tokenizer = load_tokenizer(MODEL)
@@ -511,7 +501,7 @@ def main(argv: list[str] | None = None) -> None:
         rows += vllm["rows"]
     add_speedups(rows)
     options = {k: v for k, v in vars(args).items() if k not in ("max_tokens_for", "vllm_worker")}
-    result = {**measured_on(), "args": options,
+    result = {**measured_on("benchmarks.spec_decode"), "args": options,
               "prompt_tokens": {f"{b['workload']}/{len(b['prompts'])}": sum(map(len, b["prompts"])) for b in batches},
               "vllm": {k: v for k, v in vllm.items() if k != "rows"} if vllm else None, "rows": rows}
     if args.save:
