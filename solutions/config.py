@@ -53,7 +53,8 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache. `kv_cache_manager_cls` names the manager by its qualified name, as vLLM names its
-    worker class: the paged one, or chapter 2's reserving baseline with `kv_reservation` set."""
+    worker class: the paged one, or chapter 2's reserving baseline with `kv_reservation` set. Host memory behind it
+    (chapter 11): a swap pool for preemption by swapping, and a second tier for the prefix cache."""
 
     block_size: int  # tokens per KV block
     num_kv_blocks: int  # blocks in the pool (resolved from the memory budget when not given)
@@ -61,6 +62,9 @@ class CacheConfig:
     kv_reservation: str | None = None  # None: paged; "max" / "pow2" / "oracle": Orca's whole-length admission
     kv_cache_manager_cls: str = PAGED_KV_CACHE_MANAGER
     kv_cache_manager_kwargs: dict[str, Any] = field(default_factory=dict)  # beyond (blocks, block size, caching)
+    preemption_mode: str = "recompute"  # or "swap" (chapter 11): preempted groups go to a host pool of
+    num_swap_blocks: int = 0  # blocks (from `swap_space`)
+    num_offload_blocks: int = 0  # the prefix cache's host tier, in blocks (from `kv_offloading_size`; 0: off)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ skipped blocks, e.g. outside a sliding window); nothing here needs one, so every
 """
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 
@@ -117,6 +117,8 @@ class BlockPool:
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+        # called with (block_id, block_hash) when `get_new_blocks` evicts a cached block (chapter 11's host tier)
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -137,6 +139,8 @@ class BlockPool:
         blocks = [self.free_block_queue.popleft() for _ in range(num_blocks)]
         for block in blocks:
             assert block.ref_cnt == 0, f"block {block.block_id} was in the free queue with ref_cnt {block.ref_cnt}"
+            if block.block_hash is not None and self.on_evict is not None:
+                self.on_evict(block.block_id, block.block_hash)
             self._maybe_evict_cached_block(block)
             block.ref_cnt = 1
         return blocks

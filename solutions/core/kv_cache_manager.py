@@ -30,6 +30,7 @@ from solutions.core.block_hash import extend_block_hashes
 from solutions.core.block_manager import BlockManager, cdiv
 from solutions.core.block_pool import KVCacheBlock
 from solutions.core.sequence import Sequence
+from solutions.kv_offload.manager import CPUOffloadingManager
 
 
 @dataclass(slots=True)
@@ -64,6 +65,14 @@ class KVCacheManager(BlockManager):
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache_stats = PrefixCacheStats()
         self.num_blocks_copied = 0  # copy-on-write copies made (each: one block, every layer, K and V)
+        self.offloading: CPUOffloadingManager | None = None  # the prefix cache's host tier (chapter 11)
+
+    def enable_offloading(self, num_host_blocks: int) -> None:
+        """Chapter 11: keep the blocks the device pool evicts in a host pool of `num_host_blocks` (LRU there)."""
+        if not self.enable_prefix_caching:
+            raise ValueError("the host tier keeps blocks by their prefix hash: it needs enable_prefix_caching=True")
+        self.offloading = CPUOffloadingManager(num_host_blocks)
+        self.block_pool.on_evict = self.offloading.prepare_store
 
     # sharing ------------------------------------------------------------------------------------------------------
 
@@ -225,6 +234,19 @@ class KVCacheManager(BlockManager):
         num_needed = cdiv(seq.num_tokens, self.block_size)
         self.block_pool.free_blocks(self.block_pool.blocks[b] for b in reversed(seq.block_table[num_needed:]))
         del seq.block_table[num_needed:]
+
+    def free_uncomputed_blocks(self, seq: Sequence) -> None:
+        """Before `seq` is swapped out (chapter 11): free the blocks past its computed tokens (this step allocated them
+        for tokens that will now not run) and forget a hash registered for a block those tokens would have filled."""
+        bs = self.block_size
+        num_kept = cdiv(seq.num_computed_tokens, bs)
+        blocks = [self.block_pool.blocks[block_id] for block_id in seq.block_table]
+        self.block_pool.free_blocks(reversed(blocks[num_kept:]))
+        del seq.block_table[num_kept:]
+        uncomputed = blocks[seq.num_computed_tokens // bs :]
+        for block in uncomputed:
+            if block.ref_cnt <= 1:  # nobody else holds it: its hash covers tokens that were never computed
+                self.block_pool._maybe_evict_cached_block(block)
 
     def _cache_full_blocks(self, seq: Sequence, first_block: int, num_tokens: int) -> None:
         """Register blocks `first_block ..` that are full once `num_tokens` tokens are in (keeps `block_hashes`)."""

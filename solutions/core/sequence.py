@@ -21,12 +21,14 @@ if TYPE_CHECKING:
 
 
 class SequenceStatus(Enum):
-    """vLLM's request states. WAITING → RUNNING → FINISHED_*; preemption sends RUNNING to PREEMPTED, which
-    waits (at the front of the queue) to be scheduled again from scratch."""
+    """vLLM's request states. WAITING → RUNNING → FINISHED_*; preemption by recompute sends RUNNING to PREEMPTED,
+    which waits (at the front of the queue) to be scheduled again from scratch; preemption by swapping (chapter 11,
+    vLLM v0's state) sends it to SWAPPED, its blocks in host memory, until it is swapped in and RUNNING again."""
 
     WAITING = auto()
     RUNNING = auto()
     PREEMPTED = auto()
+    SWAPPED = auto()
     FINISHED_STOPPED = auto()  # EOS, a stop token id or a stop string
     FINISHED_LENGTH_CAPPED = auto()  # max_tokens reached, or the context reached max_model_len
     FINISHED_ABORTED = auto()  # the caller aborted the request

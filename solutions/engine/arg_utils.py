@@ -52,6 +52,8 @@ SPECULATIVE_KEYS = {  # each method's keys
     "draft_model": ("method", "num_speculative_tokens", "num_draft_layers"),
 }
 SPECULATIVE_METHODS = tuple(SPECULATIVE_KEYS)
+PREEMPTION_MODES = ("recompute", "swap")  # vLLM v0's; chapter 11
+KV_OFFLOADING_BACKENDS = ("native",)  # vLLM v1's own CPU tier (its "lmcache" is another library)
 
 
 def _help(text: str) -> dict[str, str]:
@@ -70,7 +72,9 @@ class EngineArgs:
     `tensor_parallel_size=N` splits the model over N processes (chapter 9), started by this one or by torchrun.
     `speculative_config` turns on speculative decoding, as vLLM's keyword: `{"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_max": 4}`, or `{"method": "draft_model",
-    "num_speculative_tokens": 4, "num_draft_layers": 8}` (`SpeculativeConfig`)."""
+    "num_speculative_tokens": 4, "num_draft_layers": 8}` (`SpeculativeConfig`). Chapter 11: `preemption_mode="swap"`
+    swaps preempted sequence groups to a host pool of `swap_space` GiB (vLLM v0's names), falling back to recompute
+    when it is full; `kv_offloading_size` GiB of host memory keep the blocks the prefix cache evicts (vLLM v1's)."""
 
     model: str = field(default=DEFAULT_MODEL, metadata=_help(f"{DEFAULT_MODEL} or a local Hugging Face folder"))
     block_size: int = field(default=16, metadata=_help("tokens per KV block"))
@@ -95,6 +99,12 @@ class EngineArgs:
         default=None,
         metadata=_help(f"speculative decoding as JSON, each method's keys {SPECULATIVE_KEYS} (default: off)"),
     )
+    preemption_mode: str = field(default="recompute", metadata=_help(f"one of {PREEMPTION_MODES}"))
+    swap_space: float = field(default=4.0, metadata=_help("GiB of host memory for swapped-out blocks (mode 'swap')"))
+    kv_offloading_size: float | None = field(
+        default=None, metadata=_help("GiB of host memory for the prefix cache's evicted blocks (default: off)")
+    )
+    kv_offloading_backend: str = field(default="native", metadata=_help(f"one of {KV_OFFLOADING_BACKENDS}"))
 
     def __post_init__(self) -> None:
         """The checks that need nothing but the values: ParameterError (a ValueError) naming the field."""
@@ -103,7 +113,8 @@ class EngineArgs:
         for name, allowed in (
             ("scheduling_policy", SCHEDULING_POLICIES), ("attention_backend", ATTENTION_BACKENDS), ("device", DEVICES),
             ("dtype", tuple(DTYPES)), ("distributed_executor_backend", DISTRIBUTED_EXECUTOR_BACKENDS),
-            ("worker_multiproc_method", WORKER_MULTIPROC_METHODS),
+            ("worker_multiproc_method", WORKER_MULTIPROC_METHODS), ("preemption_mode", PREEMPTION_MODES),
+            ("kv_offloading_backend", KV_OFFLOADING_BACKENDS),
         ):
             _one_of(name, getattr(self, name), allowed)
         if self.kv_reservation is not None:
@@ -137,6 +148,28 @@ class EngineArgs:
             )
         if self.speculative_config is not None:
             self._check_speculative_config()
+        self._check_host_memory()
+
+    def _check_host_memory(self) -> None:
+        """Chapter 11's sizes, and what they do not run with (ParameterError naming the field)."""
+        for name in ("swap_space", "kv_offloading_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value < 0):
+                raise ParameterError(f"{name} must be a number of GiB >= 0, got {value!r}", name)
+        if self.preemption_mode == "swap" and self.swap_space == 0:
+            raise ParameterError(
+                "preemption_mode='swap' needs a swap pool: swap_space must be > 0 GiB, got 0", "swap_space"
+            )
+        if self.kv_reservation is not None and (self.preemption_mode == "swap" or self.kv_offloading_size):
+            raise ParameterError(
+                "preemption_mode='swap' and kv_offloading_size do not run with kv_reservation (the reserving baseline "
+                f"never preempts), got kv_reservation={self.kv_reservation!r}", "kv_reservation",
+            )
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ParameterError(
+                "kv_offloading_size keeps evicted blocks by their prefix hash: it needs enable_prefix_caching=True",
+                "kv_offloading_size",
+            )
 
     def _speculative_config(self, num_hidden_layers: int | None = None) -> SpeculativeConfig | None:
         """`speculative_config` as a `SpeculativeConfig`, with vLLM's defaults: prompt_lookup_min and
@@ -214,6 +247,7 @@ class EngineArgs:
             bytes_per_block = KVCache.bytes_per_block(hf_config, self.block_size, dtype)
             wanted = self.max_num_seqs * cdiv(max_model_len, self.block_size)
             num_kv_blocks = max(1, min(wanted, self.kv_cache_memory_bytes // bytes_per_block))
+        num_swap_blocks, num_offload_blocks = self._host_blocks(hf_config, dtype)
         reserving = self.kv_reservation is not None
         return VllmConfig(
             model_config=ModelConfig(
@@ -223,6 +257,7 @@ class EngineArgs:
                 self.block_size, num_kv_blocks, self.enable_prefix_caching, self.kv_reservation,
                 RESERVING_KV_CACHE_MANAGER if reserving else CacheConfig.kv_cache_manager_cls,
                 dict(kv_reservation=self.kv_reservation, max_model_len=max_model_len) if reserving else {},
+                self.preemption_mode, num_swap_blocks, num_offload_blocks,
             ),
             scheduler_config=SchedulerConfig(
                 self.max_num_seqs, self.max_num_batched_tokens, max_model_len,
@@ -235,6 +270,32 @@ class EngineArgs:
             device_config=DeviceConfig(device),
             speculative_config=self._speculative_config(hf_config.num_hidden_layers),
         )
+
+    def _host_blocks(self, hf_config: HFConfig, dtype: torch.dtype) -> tuple[int, int]:
+        """(swap pool, host tier) sizes in blocks, from their GiB. Each rank of tensor parallelism holds its own shard
+        of each block, so the GiB are per rank. A swap pool of 0 blocks with preemption_mode='swap' is refused, as is
+        a host tier of 0 blocks when one was asked for."""
+        from solutions.attention.paged import KVCache
+
+        bytes_per_block = KVCache.bytes_per_block(hf_config, self.block_size, dtype)
+        num_swap_blocks = 0
+        if self.preemption_mode == "swap":
+            num_swap_blocks = int(self.swap_space * 2**30) // bytes_per_block
+            if num_swap_blocks == 0:
+                raise ParameterError(
+                    f"swap_space={self.swap_space} GiB holds no KV block of {bytes_per_block} bytes: with "
+                    "preemption_mode='swap' it must hold at least one (or use preemption_mode='recompute')",
+                    "swap_space",
+                )
+        num_offload_blocks = 0
+        if self.kv_offloading_size:
+            num_offload_blocks = int(self.kv_offloading_size * 2**30) // bytes_per_block
+            if num_offload_blocks == 0:
+                raise ParameterError(
+                    f"kv_offloading_size={self.kv_offloading_size} GiB holds no KV block of {bytes_per_block} bytes: "
+                    "it must hold at least one (or None: off)", "kv_offloading_size",
+                )
+        return num_swap_blocks, num_offload_blocks
 
     def _resolve_device(self) -> torch.device:
         tp = self.tensor_parallel_size

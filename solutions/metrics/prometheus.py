@@ -2,9 +2,12 @@
 
 Three kinds of metric, as Prometheus defines them:
 - gauges hold the latest value: `vllm:num_requests_running`, `vllm:num_requests_waiting`,
-  `vllm:kv_cache_usage_perc` (a fraction 0..1, as in vLLM v1, despite the name);
+  `vllm:kv_cache_usage_perc` (a fraction 0..1, as in vLLM v1, despite the name), `vllm:num_requests_swapped`
+  (vLLM v0's: sequences whose blocks are in the swap pool, chapter 11);
 - counters only grow (the exposition adds `_total`): `vllm:prompt_tokens`, `vllm:generation_tokens`,
-  `vllm:prefix_cache_queries`, `vllm:prefix_cache_hits` (both in tokens), `vllm:num_preemptions`;
+  `vllm:prefix_cache_queries`, `vllm:prefix_cache_hits` (both in tokens), `vllm:num_preemptions`, and the host
+  tier's `vllm:external_prefix_cache_queries`, `vllm:external_prefix_cache_hits` (tokens looked up past the device's
+  hits, and found in host memory; chapter 11);
   a rate (tokens/s, hit rate) is computed by whoever scrapes them, from two scrapes;
 - histograms count observations per bucket, so percentiles can be estimated later:
   `vllm:time_to_first_token_seconds` (arrival in `generate` → first token) and
@@ -57,7 +60,14 @@ class PrometheusStatLogger:
         self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of the KV blocks in use (1 = full).")
         self.prefix_cache_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.num_preemptions = counter("vllm:num_preemptions", "Sequences preempted (by recompute).")
+        self.num_preemptions = counter("vllm:num_preemptions", "Sequences preempted (by recompute or swapping).")
+        self.num_requests_swapped = gauge("vllm:num_requests_swapped", "Sequences swapped out to host memory.")
+        self.external_prefix_cache_queries = counter(
+            "vllm:external_prefix_cache_queries", "Prompt tokens looked up in the host tier (past the device's hits)."
+        )
+        self.external_prefix_cache_hits = counter(
+            "vllm:external_prefix_cache_hits", "Prompt tokens found in the host tier and loaded back."
+        )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of requests that produced a first token.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
         self.time_to_first_token = Histogram(
@@ -81,6 +91,9 @@ class PrometheusStatLogger:
             self.prefix_cache_queries.inc(scheduler_stats.prefix_cache_queries)
             self.prefix_cache_hits.inc(scheduler_stats.prefix_cache_hits)
             self.num_preemptions.inc(scheduler_stats.num_preemptions)
+            self.num_requests_swapped.set(scheduler_stats.num_swapped)
+            self.external_prefix_cache_queries.inc(scheduler_stats.external_prefix_cache_queries)
+            self.external_prefix_cache_hits.inc(scheduler_stats.external_prefix_cache_hits)
             if self.spec_decoding is not None:
                 self.spec_decoding.observe(scheduler_stats)
         if iteration_stats is not None:

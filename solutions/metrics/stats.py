@@ -42,6 +42,15 @@ class SchedulerStats:
     num_accepted_tokens: int = 0  # of those, accepted (vLLM's spec_decode num_accepted_tokens)
     # position j (0-based): drafts whose token j was accepted (a draft is accepted up to its first rejection)
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # chapter 11: sequences swapped out now (their blocks in host memory); of this step's preemptions, those by
+    # swapping; blocks copied to and from the swap pool in this step
+    num_swapped: int = 0
+    num_swapped_out: int = 0
+    num_blocks_swapped_out: int = 0
+    num_blocks_swapped_in: int = 0
+    # the prefix cache's host tier since the last report, in tokens: looked up past the device's hits, found there
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
     seconds: dict[str, float] = field(default_factory=dict)  # per stage of STEP_STAGES
 
     @property
@@ -61,6 +70,12 @@ class EngineStats:
     num_draft_tokens: int = 0  # their tokens,
     num_accepted_tokens: int = 0  # those accepted,
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # and those accepted per position
+    num_preemptions: int = 0  # sequences preempted, by either mode,
+    num_swapped_out: int = 0  # of them by swapping (chapter 11), and the blocks swapped out and in
+    num_blocks_swapped_out: int = 0
+    num_blocks_swapped_in: int = 0
+    prefix_cache_hits: int = 0  # prompt tokens found on the device,
+    external_prefix_cache_hits: int = 0  # and in the host tier (chapter 11)
     batch_sizes: list[int] = field(default_factory=list)  # sequences per step
     peak_blocks_used: int = 0
     steps: list[SchedulerStats] = field(default_factory=list)
@@ -72,6 +87,12 @@ class EngineStats:
         self.num_prefill_tokens += scheduler_stats.num_prefill_tokens
         self.num_decode_tokens += scheduler_stats.num_decode_tokens
         self.num_drafts += scheduler_stats.num_drafts
+        self.num_preemptions += scheduler_stats.num_preemptions
+        self.num_swapped_out += scheduler_stats.num_swapped_out
+        self.num_blocks_swapped_out += scheduler_stats.num_blocks_swapped_out
+        self.num_blocks_swapped_in += scheduler_stats.num_blocks_swapped_in
+        self.prefix_cache_hits += scheduler_stats.prefix_cache_hits
+        self.external_prefix_cache_hits += scheduler_stats.external_prefix_cache_hits
         self.num_draft_tokens += scheduler_stats.num_draft_tokens
         self.num_accepted_tokens += scheduler_stats.num_accepted_tokens
         self.num_accepted_tokens_per_pos = add_per_pos(

@@ -53,6 +53,7 @@ from solutions.core.sched.output import (
     sampling_rows,
 )
 from solutions.core.sequence import Sequence
+from solutions.kv_offload.transfer import allocate_host_cache, swap_blocks
 from solutions.model.llama import LlamaForCausalLM
 from solutions.sample.rejection_sampler import rejection_sample
 from solutions.sample.sampler import gather_logprobs, process_logits, sample
@@ -170,7 +171,7 @@ class ModelRunner:
     def __init__(
         self, model: LlamaForCausalLM, num_blocks: int, block_size: int, attention_backend: str = "torch", *,
         enforce_eager: bool = False, max_num_seqs: int | None = None, max_model_len: int | None = None,
-        speculative_config: SpeculativeConfig | None = None,
+        speculative_config: SpeculativeConfig | None = None, num_swap_blocks: int = 0, num_offload_blocks: int = 0,
     ) -> None:
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
@@ -183,6 +184,14 @@ class ModelRunner:
         weight = model.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.kv_cache = KVCache.allocate(model.config, num_blocks, block_size, dtype=self.dtype, device=self.device)
+        # chapter 11: host memory for swapped-out sequences and for the prefix cache's second tier (None: off)
+        self.swap_cache = self.offload_cache = None
+        if num_swap_blocks:
+            self.swap_cache = allocate_host_cache(model.config, num_swap_blocks, block_size, self.dtype, self.device)
+        if num_offload_blocks:
+            self.offload_cache = allocate_host_cache(
+                model.config, num_offload_blocks, block_size, self.dtype, self.device
+            )
         self.cuda_graphs = None
         self.compiled_forward = None
         if attention_backend == "inductor":
@@ -213,17 +222,21 @@ class ModelRunner:
             attention_backend=model_config.attention_backend, enforce_eager=model_config.enforce_eager,
             max_num_seqs=vllm_config.scheduler_config.max_num_seqs, max_model_len=model_config.max_model_len,
             speculative_config=vllm_config.speculative_config,
+            num_swap_blocks=cache_config.num_swap_blocks if cache_config.preemption_mode == "swap" else 0,
+            num_offload_blocks=cache_config.num_offload_blocks,
         )
         return cls(model, **(options | overrides))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
-        """Apply the step's copy-on-write copies, write the new tokens' K/V, and return the logits (B, V) at each
-        scheduled sequence's last scheduled token (meaningless for a prompt chunk that is not the last); the rows
-        that sample, and the rows scoring draft tokens, are kept for `sample_tokens`.
+        """Make the step's copies to and from host memory and its copy-on-write copies, write the new tokens' K/V,
+        and return the logits (B, V) at each scheduled sequence's last scheduled token (meaningless for a prompt
+        chunk that is not the last); the rows that sample, and the rows scoring draft tokens, are kept for
+        `sample_tokens`.
 
         Changes no sequence (the scheduler advanced them when it scheduled the step).
         """
         seconds = {"prepare": 0.0, "forward": 0.0}
+        self.transfer_blocks(scheduler_output)  # even in a step that schedules nobody: it may swap a group out
         if not scheduler_output.scheduled_seqs:
             empty = torch.empty(0, self.model.config.vocab_size)  # (0, V)
             self._pending = empty, [], seconds, (empty, []), None
@@ -349,6 +362,20 @@ class ModelRunner:
             seconds["prepare"] += prepared - start
             seconds["forward"] += time.perf_counter() - prepared
         return logits
+
+    def transfer_blocks(self, scheduler_output: SchedulerOutput) -> None:
+        """Chapter 11's copies between the device cache and host memory, in the order the scheduler relies on: the
+        stores and swap-outs read device blocks before the swap-ins and loads (and then copy-on-write and the
+        forward pass) may write over them — a block freed by one of them can be handed out again in the same step."""
+        out = scheduler_output
+        if out.blocks_to_store:
+            swap_blocks(self.kv_cache, self.offload_cache, out.blocks_to_store)
+        if out.blocks_to_swap_out:
+            swap_blocks(self.kv_cache, self.swap_cache, out.blocks_to_swap_out)
+        if out.blocks_to_swap_in:
+            swap_blocks(self.swap_cache, self.kv_cache, out.blocks_to_swap_in)
+        if out.blocks_to_load:
+            swap_blocks(self.offload_cache, self.kv_cache, out.blocks_to_load)
 
     def warm_up(self) -> None:
         """Compile before the first request, as vLLM does at start-up: a step with a prefill of two tokens beside a

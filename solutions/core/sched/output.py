@@ -52,6 +52,14 @@ class SchedulerOutput:
     num_decode_tokens: int = 0  # scheduled tokens that are a sequence's newest token (and its drafts)
     forked_seqs: dict[int, list[Sequence]] = field(default_factory=dict)  # seq_id -> samples forked from it this step
     scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> drafts to verify
+    # chapter 11, block copies between the device pool and host memory, (source, destination), made before the forward
+    # pass in this order: stores, swap-outs, swap-ins, loads, then `blocks_to_copy`
+    blocks_to_store: list[tuple[int, int]] = field(default_factory=list)  # evicted device block -> host tier
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # device block -> swap pool
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # swap pool -> device block
+    blocks_to_load: list[tuple[int, int]] = field(default_factory=list)  # host tier -> device block (a prefix hit)
+    swapped_out_seq_ids: list[int] = field(default_factory=list)  # preempted by swapping (also in preempted_seq_ids)
+    swapped_in_seq_ids: list[int] = field(default_factory=list)  # back from the swap pool, running again
 
     def __post_init__(self) -> None:
         if self.num_computed_tokens is None:

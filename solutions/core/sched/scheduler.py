@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Self
 import torch
 
 from solutions.config import VllmConfig
+from solutions.core.block_pool import BlockPool
 from solutions.core.kv_cache_manager import KVCacheManager
 from solutions.core.sched.output import (
     DraftTokenIds,
@@ -64,6 +65,8 @@ from solutions.core.sched.output import (
 from solutions.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from solutions.core.sched.stop import check_stop
 from solutions.core.sequence import Sequence, SequenceStatus
+from solutions.kv_offload.manager import get_num_new_matched_tokens, update_state_after_alloc
+from solutions.kv_offload.swap import num_group_blocks, swap_in, swap_out
 from solutions.metrics.stats import SchedulerStats
 from solutions.outputs import FinishReason
 
@@ -96,6 +99,7 @@ class SchedulerBase:
         max_model_len: int | None = None,
         eos_token_id: int | None = None,
         structured_output_manager: "StructuredOutputManager | None" = None,
+        swap_pool: BlockPool | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs  # at most this many sequences running at once
@@ -109,7 +113,11 @@ class SchedulerBase:
         self.running: list[Sequence] = []  # in the order they started running
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its samples' sequences, until all finish
         self.num_preemptions = 0  # over the scheduler's life
+        # chapter 11: with a host pool, preemption swaps a victim's whole group out (`preempt_group`) when it fits
+        self.swap_pool = swap_pool
+        self.swapped: list[list[Sequence]] = []  # swapped-out groups, in the order they went out
         self._reported_queries = self._reported_hits = 0  # prefix-cache lookups already in a SchedulerStats
+        self._reported_external = (0, 0)  # the host tier's (queries, hits) already in a SchedulerStats
 
     @classmethod
     def from_config(cls, vllm_config: VllmConfig, structured_output_manager: "StructuredOutputManager") -> Self:
@@ -120,11 +128,14 @@ class SchedulerBase:
         manager = manager_cls(
             cache.num_kv_blocks, cache.block_size, cache.enable_prefix_caching, **cache.kv_cache_manager_kwargs
         )
+        if cache.num_offload_blocks:
+            manager.enable_offloading(cache.num_offload_blocks)
         return cls(
             manager, max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
             long_prefill_token_threshold=sched.long_prefill_token_threshold, policy=sched.policy,
             max_model_len=sched.max_model_len, eos_token_id=vllm_config.model_config.eos_token_id,
             structured_output_manager=structured_output_manager,
+            swap_pool=BlockPool(cache.num_swap_blocks) if cache.preemption_mode == "swap" else None,
         )
 
     def add_seq(self, seq: Sequence) -> None:
@@ -153,9 +164,15 @@ class SchedulerBase:
         self.running.append(seq)
 
     def can_admit(self, seq: Sequence) -> bool:
-        """Is there room in the running set for waiting `seq` and the samples it will fork?"""
-        seats = sum(1 + len(s.fork_seq_ids) for s in self.running)
-        return seats + 1 + len(seq.fork_seq_ids) <= self.max_num_seqs
+        """Is there room in the running set for waiting `seq` and the samples it will fork? Never while a group is
+        swapped out: it comes back before anyone new is admitted (the paper's §4.5)."""
+        if self.swapped:
+            return False
+        return self._num_seats() + 1 + len(seq.fork_seq_ids) <= self.max_num_seqs
+
+    def _num_seats(self) -> int:
+        """Seats taken in the running set: the running sequences and the samples they will fork."""
+        return sum(1 + len(s.fork_seq_ids) for s in self.running)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Take a finished or aborted sequence out of the queues and free its blocks, whatever its state."""
@@ -164,7 +181,15 @@ class SchedulerBase:
             self.running.remove(seq)
         elif seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
             self.waiting.remove(seq)
-        self.kv_cache_manager.free(seq)
+        if seq.status is SequenceStatus.SWAPPED:  # its blocks are host blocks
+            group = next(group for group in self.swapped if seq in group)
+            group.remove(seq)
+            if not group:
+                self.swapped.remove(group)
+            self.swap_pool.free_blocks(self.swap_pool.blocks[block_id] for block_id in reversed(seq.block_table))
+            seq.block_table.clear()
+        else:
+            self.kv_cache_manager.free(seq)
         seq.status = status
 
     # --- helpers for schedule() ----------------------------------------------------------------------------------
@@ -174,7 +199,22 @@ class SchedulerBase:
     ) -> tuple[list[tuple[int, int]] | None, int]:
         """`allocate_or_preempt(self, ...)`, looked up in this module when called: `schedule()` reaches the
         preemption decision through this method, so any `schedule()` runs whichever one the module holds."""
+        if self.swap_pool is not None:
+            return allocate_or_swap_out(self, seq, num_new_tokens, out, copies)
         return allocate_or_preempt(self, seq, num_new_tokens, out, copies)
+
+    def _victim(self) -> Sequence:
+        """Whom to preempt: the lowest priority (largest value), latest arrival (PRIORITY), else the last to start."""
+        if self.policy is SchedulingPolicy.PRIORITY:
+            return max(self.running, key=lambda s: (s.priority, s.arrival, s.seq_id))
+        return self.running[-1]
+
+    def group_of(self, seq: Sequence) -> list[Sequence]:
+        """`seq`'s sequence group: the running samples of its request, in running order (just `seq` for a sequence
+        made by hand, without a request)."""
+        if seq.request_id is None:
+            return [seq]
+        return [s for s in self.running if s.request_id == seq.request_id]
 
     def _add_to_batch(
         self, out: SchedulerOutput, seq: Sequence, num_new_tokens: int, seq_copies: list[tuple[int, int]],
@@ -227,12 +267,77 @@ class SchedulerBase:
         out.preempted_seq_ids.append(seq.seq_id)
         self.num_preemptions += 1
 
+    def _swap_out(self, group: list[Sequence], out: SchedulerOutput, read_from: dict[int, int]) -> None:
+        """Preemption by swapping, the bookkeeping: the group's blocks go to the host pool (`swap_out`), each sequence
+        leaves the running set for `swapped`. `read_from` maps a block this step's copy-on-write gave a sequence of
+        the group (its copy was dropped with the sequence's place in the batch) to the shared block it copies, whose
+        contents the swap-out reads instead. The group must be out of the batch, with no uncomputed blocks."""
+        for seq in group:
+            self.running.remove(seq)
+            seq.spec_token_ids = []
+            seq.status = SequenceStatus.SWAPPED
+            out.preempted_seq_ids.append(seq.seq_id)
+            out.swapped_out_seq_ids.append(seq.seq_id)
+        pairs = swap_out(self.kv_cache_manager.block_pool, self.swap_pool, group)
+        out.blocks_to_swap_out += [(read_from.get(device_id, device_id), host_id) for device_id, host_id in pairs]
+        self.swapped.append(group)
+        self.num_preemptions += len(group)
+
+    def _swap_in(self, out: SchedulerOutput, budget: int, copies: dict[int, list[tuple[int, int]]]) -> int:
+        """Swapped-out groups come back, oldest first, before any waiting sequence is admitted, while the device has
+        a block for each of a group's blocks and for each sequence's next one, the batch has seats and the step has
+        budget; never in a step that preempted (a block swapped out this step is not yet copied). Each sequence is
+        scheduled this step if its next tokens fit. Returns the budget left."""
+        manager = self.kv_cache_manager
+        while not out.preempted_seq_ids and self.swapped and budget > 0:
+            group = self.swapped[0]
+            seats = sum(1 + len(s.fork_seq_ids) for s in group)
+            if (
+                num_group_blocks(group) + len(group) > manager.num_free_blocks
+                or self._num_seats() + seats > self.max_num_seqs
+            ):
+                break
+            self.swapped.pop(0)
+            out.blocks_to_swap_in += swap_in(self.swap_pool, manager.block_pool, group)
+            for seq in group:
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                out.swapped_in_seq_ids.append(seq.seq_id)
+                manager.cache_blocks(seq, 0, seq.num_computed_tokens)  # its full blocks are prefix hits again
+                num_behind = seq.num_tokens - seq.num_computed_tokens
+                num_new_tokens = min(num_behind, budget, self.long_prefill_token_threshold)
+                seq_copies = manager.allocate_slots(seq, num_new_tokens) if num_new_tokens > 0 else None
+                if seq_copies is not None:  # else it runs from the next step
+                    self._add_to_batch(out, seq, num_new_tokens, seq_copies, copies)
+                    budget -= num_new_tokens
+        return budget
+
+    def _get_num_offloaded_tokens(self, seq: Sequence, num_cached_tokens: int) -> int:
+        """Tokens past the device's prefix hits that the host tier holds (0 without one, or for a sequence that must
+        compute its whole prompt)."""
+        offloading = self.kv_cache_manager.offloading
+        if offloading is None or seq.skip_reading_prefix_cache:
+            return 0
+        return get_num_new_matched_tokens(
+            offloading, seq.block_hashes, seq.num_tokens, num_cached_tokens, self.kv_cache_manager.block_size
+        )
+
+    def _load_offloaded(self, seq: Sequence, num_cached_tokens: int, num_external: int) -> None:
+        """Load the host tier's hits into the device blocks just allocated for them."""
+        if num_external:
+            update_state_after_alloc(
+                self.kv_cache_manager.offloading, seq.block_hashes, seq.block_table, num_cached_tokens, num_external,
+                self.kv_cache_manager.block_size,
+            )
+
     def _update_after_schedule(self, out: SchedulerOutput) -> None:
         """The batch is decided: advance each scheduled sequence past its scheduled tokens — the one place a
         step's progress is written — and fork the samples of each `n > 1` prompt this step completes. A
         forked sample shares its parent's blocks, joins `out.forked_seqs[parent id]` and runs from the next step.
         (vLLM: `Scheduler._update_after_schedule`; it forks `n > 1` at admission instead, `ParentRequest`.)"""
         advance_computed_tokens(out)
+        if (offloading := self.kv_cache_manager.offloading) is not None:
+            out.blocks_to_store, out.blocks_to_load = offloading.take_transfers()
         for seq in out.scheduled_seqs:
             if seq.fork_seq_ids and seq.num_computed_tokens == seq.num_tokens:
                 out.forked_seqs[seq.seq_id] = [self._fork(seq, child_id) for child_id in seq.fork_seq_ids]
@@ -270,6 +375,8 @@ class SchedulerBase:
         """Append each sequence's new tokens, advance its grammar, check its stops, free the finished; hand back
         rejected drafts and keep the next ones; the step's outputs, one per sampling sequence, and its stats."""
         start = time.perf_counter()
+        if (offloading := self.kv_cache_manager.offloading) is not None:
+            offloading.complete_transfers()  # the step has run: its host blocks are read and written
         seqs = {seq.seq_id: seq for seq in scheduler_output.scheduled_seqs}
         seqs.update((child.seq_id, child) for samples in scheduler_output.forked_seqs.values() for child in samples)
         num_cached = {
@@ -362,7 +469,16 @@ class SchedulerBase:
             len(self.running), len(self.waiting), manager.num_used_blocks, manager.num_used_blocks / manager.num_blocks,
             queries, hits, seconds=seconds or {},
         )
+        stats.num_swapped = sum(len(group) for group in self.swapped)
+        if (offloading := manager.offloading) is not None:
+            queries, hits = offloading.stats.queries, offloading.stats.hits
+            stats.external_prefix_cache_queries = queries - self._reported_external[0]
+            stats.external_prefix_cache_hits = hits - self._reported_external[1]
+            self._reported_external = (queries, hits)
         if scheduler_output is not None:
+            stats.num_swapped_out = len(scheduler_output.swapped_out_seq_ids)
+            stats.num_blocks_swapped_out = len(scheduler_output.blocks_to_swap_out)
+            stats.num_blocks_swapped_in = len(scheduler_output.blocks_to_swap_in)
             stats.num_preemptions = len(scheduler_output.preempted_seq_ids)
             stats.num_scheduled_seqs = len(scheduler_output.scheduled_seqs)
             stats.num_prefill_tokens = scheduler_output.num_prefill_tokens
@@ -427,6 +543,48 @@ def allocate_or_preempt(
     return seq_copies, returned
 
 
+def allocate_or_swap_out(
+    scheduler: SchedulerBase, seq: Sequence, num_new_tokens: int, out: SchedulerOutput,
+    copies: dict[int, list[tuple[int, int]]],
+) -> tuple[list[tuple[int, int]] | None, int]:
+    """`allocate_or_preempt` with a host pool (chapter 11): each victim goes with its whole group (`preempt_group`),
+    so `seq` may leave with a victim's group as well as by being the victim."""
+    returned = 0
+    while (seq_copies := scheduler.kv_cache_manager.allocate_slots(seq, num_new_tokens)) is None:
+        returned += preempt_group(scheduler, scheduler._victim(), out, copies)
+        if seq.status is not SequenceStatus.RUNNING:
+            return None, returned
+    return seq_copies, returned
+
+
+def preempt_group(
+    scheduler: SchedulerBase, victim: Sequence, out: SchedulerOutput, copies: dict[int, list[tuple[int, int]]]
+) -> int:
+    """Preempt `victim`: swap it out with the rest of its sequence group if the host pool has a block for each of the
+    group's blocks and the group could come back (its blocks and one more per sequence fit the device pool), else
+    recompute the victim alone, as without a host pool (the paper's §4.5). Returns the token budget handed back by
+    those that were already in this step's batch.
+
+    A sequence already in the batch leaves it first, with the blocks allocated for this step's tokens; a copy-on-write
+    this step gave it is dropped with its place, so its swap-out reads the block it would have copied.
+    """
+    group = scheduler.group_of(victim)
+    num_blocks = num_group_blocks(group)
+    device_blocks = scheduler.kv_cache_manager.num_blocks
+    if num_blocks > scheduler.swap_pool.num_free_blocks or num_blocks + len(group) > device_blocks:
+        returned = scheduler._remove_from_batch(out, victim, copies) if victim in out.scheduled_seqs else 0
+        scheduler._preempt_request(victim, out)
+        return returned
+    returned, read_from = 0, {}
+    for seq in group:
+        if seq in out.scheduled_seqs:
+            read_from.update((dst, src) for src, dst in copies.get(seq.seq_id, []))
+            returned += scheduler._remove_from_batch(out, seq, copies)
+        scheduler.kv_cache_manager.free_uncomputed_blocks(seq)
+    scheduler._swap_out(group, out, read_from)
+    return returned
+
+
 class Scheduler(SchedulerBase):
     """`schedule()` decides one step: running sequences first, then admissions, under one token budget."""
 
@@ -452,15 +610,21 @@ class Scheduler(SchedulerBase):
             budget -= num_new_tokens
             index = self.running.index(seq) + 1  # victims before `seq` shifted it left
 
-        # Then waiting sequences, while there is budget, room in the batch and memory. None in a step that
-        # preempted: the memory just freed is for the running sequences.
+        # Then swapped-out groups (chapter 11), then waiting sequences, while there is budget, room in the batch and
+        # memory. None in a step that preempted: the memory just freed is for the running sequences.
+        budget = self._swap_in(out, budget, copies)
         while not out.preempted_seq_ids and self.waiting and budget > 0 and self.can_admit(self.waiting.peek()):
             seq = self.waiting.peek()
             computed_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(seq)
-            num_new_tokens = min(seq.num_tokens - num_cached_tokens, budget, self.long_prefill_token_threshold)
-            seq_copies = self.kv_cache_manager.allocate_slots(seq, num_new_tokens, computed_blocks)
+            num_external = self._get_num_offloaded_tokens(seq, num_cached_tokens)  # the host tier's hits (chapter 11)
+            num_new_tokens = min(
+                seq.num_tokens - num_cached_tokens - num_external, budget, self.long_prefill_token_threshold
+            )
+            seq_copies = self.kv_cache_manager.allocate_slots(seq, num_external + num_new_tokens, computed_blocks)
             if seq_copies is None:
                 break  # it waits for memory; nobody behind it jumps the line
+            self._load_offloaded(seq, num_cached_tokens, num_external)
+            num_cached_tokens += num_external
             self.waiting.pop()
             (out.resumed_seq_ids if seq.status is SequenceStatus.PREEMPTED else out.new_seq_ids).append(seq.seq_id)
             seq.status = SequenceStatus.RUNNING
