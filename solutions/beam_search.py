@@ -27,10 +27,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from solutions.core.block_manager import cdiv
+from solutions.core.block_pool import BlockPool
 from solutions.core.kv_cache_manager import KVCacheManager
 from solutions.core.sched.output import SchedulerOutput
 from solutions.core.sched.scheduler import advance_computed_tokens
 from solutions.core.sequence import Sequence
+from solutions.kv_offload.swap import num_group_blocks, swap_in, swap_out
 from solutions.outputs import FinishReason
 
 
@@ -130,6 +133,47 @@ def beam_search_step(
     return live, finished
 
 
+def _num_generated(beams: list[Beam]) -> int:
+    """Tokens a prompt's live beams have generated (they all step together)."""
+    seq = beams[0].seq
+    return seq.num_tokens - seq.num_prompt_tokens
+
+
+def _swap_beam_groups(
+    manager: KVCacheManager, swap_pool: BlockPool, live: list[list[Beam]], active: list[int], swapped: list[int],
+    scheduler_output: SchedulerOutput,
+) -> None:
+    """Chapter 11 for beam search: bring swapped-out prompts' beams back while they fit beside the rest, oldest first;
+    else, while the step's beams would not fit, swap out the last prompt's beams (never the only one on the device).
+
+    A beam needs at most one new block per step (a fresh one, or a copy of a shared partial block); a prompt's
+    first step needs its whole prompt's blocks. The copies go into `scheduler_output`.
+    """
+    def group(p: int) -> list[Sequence]:
+        return [beam.seq for beam in live[p]]
+
+    def blocks_needed(p: int) -> int:
+        beams = live[p]
+        if not beams[0].seq.block_table and beams[0].seq.num_computed_tokens == 0:
+            return cdiv(beams[0].seq.num_tokens, manager.block_size)
+        return len(beams)
+
+    def room() -> int:  # free device blocks left once the beams on the device have stepped
+        return manager.num_free_blocks - sum(blocks_needed(p) for p in on_device)
+
+    on_device = [p for p in active if p not in swapped]
+    while swapped and (not on_device or room() >= num_group_blocks(group(swapped[0])) + len(live[swapped[0]])):
+        p = swapped.pop(0)  # with nothing on the device it comes back anyway: if it cannot fit, the allocation says so
+        scheduler_output.blocks_to_swap_in += swap_in(swap_pool, manager.block_pool, group(p))
+        on_device.append(p)
+    if scheduler_output.blocks_to_swap_in:
+        return  # as the scheduler: no swap-out in a step that swaps in
+    while room() < 0 and len(on_device) > 1 and num_group_blocks(group(on_device[-1])) <= swap_pool.num_free_blocks:
+        p = on_device.pop()
+        scheduler_output.blocks_to_swap_out += swap_out(manager.block_pool, swap_pool, group(p))
+        swapped.append(p)
+
+
 def run_beam_search(
     manager: KVCacheManager,
     model_runner,
@@ -139,6 +183,7 @@ def run_beam_search(
     max_model_len: int,
     seq_ids: Iterator[int] | None = None,
     on_step=None,
+    swap_pool: BlockPool | None = None,
 ) -> list[list[BeamSearchSequence]]:
     """Beam search for every prompt at once, one forward pass per step for all live beams of all prompts.
 
@@ -147,18 +192,32 @@ def run_beam_search(
     copy-on-write copies, advances the beams' computed tokens as the scheduler does, and runs one forward pass.
     `on_step(manager, beams)` is called after each step's allocation (for memory measurements). Returns, per
     prompt, its beams best first (text not filled in). Raises ValueError if the KV cache cannot hold the beams.
+
+    With a `swap_pool` (chapter 11's `preemption_mode="swap"`), the beams of one prompt are a sequence group: when
+    the step's beams would not fit, the last prompts' groups are swapped out whole (shared blocks once) and wait
+    there, each swapped back in once the device has room for it; only beams on the device step. Without one, or
+    if a single prompt's beams do not fit alone, the cache must hold them: ValueError.
     """
     seq_ids = itertools.count() if seq_ids is None else seq_ids
     eos = None if params.ignore_eos else eos_token_id
     live: list[list[Beam]] = [[Beam(Sequence(next(seq_ids), list(prompt)))] for prompt in prompts]
     done: list[list[Beam]] = [[] for _ in prompts]
+    swapped: list[int] = []  # prompts whose beams are in the swap pool, in the order they went out
     try:
-        for _ in range(params.max_tokens):
-            active = [p for p in range(len(prompts)) if live[p] and len(done[p]) < params.beam_width]
+        while True:
+            active = [
+                p for p in range(len(prompts))
+                if live[p] and len(done[p]) < params.beam_width and _num_generated(live[p]) < params.max_tokens
+            ]
             if not active:
                 break
-            batch = [beam for p in active for beam in live[p]]
             scheduler_output = SchedulerOutput()
+            if manager.offloading is not None:
+                manager.offloading.complete_transfers()  # the previous step has run
+            if swap_pool is not None:
+                _swap_beam_groups(manager, swap_pool, live, active, swapped, scheduler_output)
+                active = [p for p in active if p not in swapped]
+            batch = [beam for p in active for beam in live[p]]
             for beam in batch:
                 seq = beam.seq
                 hits, num_cached = manager.get_computed_blocks(seq) if not seq.block_table else ([], 0)
@@ -173,6 +232,8 @@ def run_beam_search(
                 scheduler_output.num_scheduled_tokens.append(num_new)
                 scheduler_output.num_computed_tokens.append(seq.num_computed_tokens + num_cached)  # after the hits
                 scheduler_output.blocks_to_copy.extend(copies)
+            if manager.offloading is not None:  # blocks this step's allocations evicted go to the host tier
+                scheduler_output.blocks_to_store, _ = manager.offloading.take_transfers()
             advance_computed_tokens(scheduler_output)
             if on_step is not None:
                 on_step(manager, batch)
@@ -189,10 +250,17 @@ def run_beam_search(
                         manager.free(beam.seq)
                     done[p].extend(live[p])
                     live[p] = []
+                elif live[p] and (len(done[p]) >= params.beam_width or _num_generated(live[p]) >= params.max_tokens):
+                    for beam in live[p]:  # this prompt is done while others still step: its blocks are theirs now
+                        manager.free(beam.seq)
     finally:
-        for beams in live:
+        for p, beams in enumerate(live):
             for beam in beams:
-                manager.free(beam.seq)
+                if p in swapped:
+                    swap_pool.free_blocks(swap_pool.blocks[b] for b in reversed(beam.seq.block_table))
+                    beam.seq.block_table.clear()
+                else:
+                    manager.free(beam.seq)
     results = []
     for p, prompt in enumerate(prompts):
         candidates = [

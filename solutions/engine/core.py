@@ -119,6 +119,7 @@ class EngineCore:
             self.scheduler.kv_cache_manager, self.model_executor.model_runner, prompts, params,
             eos_token_id=self.vllm_config.model_config.eos_token_id,
             max_model_len=self.vllm_config.model_config.max_model_len, seq_ids=self._seq_ids,
+            swap_pool=self.scheduler.swap_pool,
         )
 
     def shutdown(self) -> None:
