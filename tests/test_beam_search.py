@@ -114,6 +114,36 @@ def test_beam_search_matches_hugging_face_on_tiny_models(name, width):
     assert manager.num_used_blocks == 0  # every beam freed
 
 
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias-mqa"])
+def test_beam_groups_are_swapped_out_whole_when_the_cache_is_short(name):
+    """Chapter 11: with a swap pool, a prompt's beams leave and come back together when the step's beams do not fit;
+    the search is the one a large cache runs (HF's beams), and nothing is left on either pool. Without a swap pool,
+    the same small cache refuses."""
+    folder = tiny_checkpoint(name)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(5, 30, (6,), generator=g)]
+    params = BeamSearchParams(beam_width=3, max_tokens=16, ignore_eos=True)
+    llm = LLM(model=str(folder), block_size=4, num_kv_blocks=32, preemption_mode="swap", swap_space=0.01)
+    swaps = []
+    core = llm.llm_engine.engine_core.engine_core
+    runner = core.model_executor.model_runner
+    execute = runner.execute_model
+
+    def counting(scheduler_output):
+        swaps.append(len(scheduler_output.blocks_to_swap_out))
+        return execute(scheduler_output)
+
+    runner.execute_model = counting
+    outputs = llm.beam_search(prompts, params)
+    assert sum(swaps) > 0, "the cache was large enough: nothing was swapped"
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert [beam.tokens for beam in output.sequences] == hf_beams(folder, prompt, 3, 16)
+    assert core.scheduler.kv_cache_manager.num_used_blocks == 0
+    assert core.scheduler.swap_pool.num_free_blocks == core.scheduler.swap_pool.num_blocks
+    with pytest.raises(ValueError, match="cannot hold"):
+        LLM(model=str(folder), block_size=4, num_kv_blocks=32).beam_search(prompts, params)
+
+
 def test_width_1_is_greedy():
     model = tiny_model("llama-gqa")
     results, _ = search(model, PROMPTS, BeamSearchParams(1, 10, ignore_eos=True))
