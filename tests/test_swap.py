@@ -1,0 +1,395 @@
+"""Chapter 11: preemption by swapping gives the tokens of recomputation, of no memory pressure and of Hugging Face.
+
+Oracles: the same engine with `preemption_mode="recompute"` and with a pool large enough never to preempt, and
+Hugging Face `generate` (greedy, EOS disabled) on the same tiny checkpoint. Below the engine: `swap_out` / `swap_in`
+on two real `BlockPool`s (one pair per distinct block, the sharing structure kept), `swap_blocks` on two real
+`KVCache`s, and the scheduler's rules, read from the `SchedulerOutput` of every step of a real engine: nothing new
+is admitted while a group is out, no swap-in in a step that preempted, a full host pool falls back to
+recomputation, and a group too large to come back is recomputed rather than left out for ever. A storm of random
+requests and aborts (some while swapped out) leaves no block held on the device, in the swap pool or in the host
+tier. Every engine loop here is bounded: a livelock fails the test, it never hangs.
+"""
+
+import dataclasses
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from grading.parity import assert_greedy_close, hf_greedy, hf_oracle
+from grading.tiny_models import tiny_checkpoint
+from solutions import LLM, SamplingParams
+from solutions.attention.paged import KVCache
+from solutions.core.block_pool import BlockPool
+from solutions.core.kv_cache_manager import KVCacheManager
+from solutions.core.sched.scheduler import Scheduler
+from solutions.core.sequence import Sequence, SequenceStatus
+from solutions.kv_offload.swap import num_group_blocks, swap_in, swap_out
+from solutions.kv_offload.transfer import swap_blocks
+from solutions.model.config import ModelConfig as HFConfig
+from solutions.sampling_params import RequestOutputKind
+
+BLOCK_SIZE = 4
+NEW_TOKENS = 40
+# 40 blocks of 4 tokens for 8 sequences of up to ~70 tokens: preemption after a few decode steps
+PRESSURE = dict(block_size=BLOCK_SIZE, num_kv_blocks=40, max_num_seqs=8, max_model_len=128)
+NO_PRESSURE = dict(PRESSURE, num_kv_blocks=400)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def host_gib(model: str, num_blocks: int, block_size: int = BLOCK_SIZE) -> float:
+    """GiB of host memory that hold exactly `num_blocks` KV blocks of tiny model `model` (float32)."""
+    hf_config = HFConfig.from_folder(tiny_checkpoint(model))
+    return num_blocks * KVCache.bytes_per_block(hf_config, block_size) / 2**30
+
+
+def random_prompts(count: int, low: int, high: int, seed: int, head: list[int] | None = None) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [(head or []) + [rng.randrange(3, 256) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, limit: int = 3000) -> list[list[list[int]]]:
+    """Each prompt's samples' tokens, stepping the engine at most `limit` times (a livelock fails, never hangs)."""
+    engine = llm.llm_engine
+    params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"p{i}", prompt, params)
+    final: dict[str, list[list[int]]] = {}
+    for _ in range(limit):
+        if not engine.has_unfinished_requests():
+            break
+        for output in engine.step():
+            if output.finished:
+                final[output.request_id] = [c.token_ids for c in sorted(output.outputs, key=lambda c: c.index)]
+    else:
+        raise AssertionError(f"the engine did not finish {len(prompts)} requests in {limit} steps")
+    return [final[f"p{i}"] for i in range(len(prompts))]
+
+
+def core(llm: LLM):
+    return llm.llm_engine.engine_core.engine_core
+
+
+def record_outputs(llm: LLM) -> list:
+    """Every `SchedulerOutput` the engine's scheduler makes from now on, with the host block tables of the
+    sequences it swapped out (read right after scheduling, before anything changes them)."""
+    scheduler, recorded = core(llm).scheduler, []
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        seqs = {s.seq_id: s for samples in scheduler.requests.values() for s in samples}
+        tables = [list(seqs[seq_id].block_table) for seq_id in out.swapped_out_seq_ids]
+        recorded.append((out, tables))
+        return out
+
+    scheduler.schedule = recording_schedule
+    return recorded
+
+
+def assert_no_block_held(llm: LLM) -> None:
+    scheduler = core(llm).scheduler
+    manager = scheduler.kv_cache_manager
+    assert manager.num_used_blocks == 0, "device blocks leaked"
+    assert not scheduler.swapped and not scheduler.running and not scheduler.waiting
+    if scheduler.swap_pool is not None:
+        assert scheduler.swap_pool.num_free_blocks == scheduler.swap_pool.num_blocks, "swap-pool blocks leaked"
+    if manager.offloading is not None:
+        assert all(block.ref_cnt == 0 for block in manager.offloading.host_pool.blocks), "host-tier blocks held"
+
+
+# --- 1. the same tokens, swapped or not ----------------------------------------------------------------------------
+
+
+def workload(name: str) -> tuple[list[list[int]], SamplingParams, dict]:
+    """(prompts, params, engine options) of one kind of traffic under memory pressure."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    if name == "plain":
+        return random_prompts(8, 4, 20, seed=1), greedy, dict(enable_prefix_caching=False)
+    if name == "n3-greedy":
+        return random_prompts(3, 8, 20, seed=2), SamplingParams(n=3, temperature=0.0, max_tokens=NEW_TOKENS,
+                                                                ignore_eos=True), {}
+    if name == "n3-seeded":
+        return random_prompts(3, 8, 20, seed=3), SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=NEW_TOKENS,
+                                                                ignore_eos=True), {}
+    if name == "prefix":
+        head = random_prompts(1, 16, 16, seed=4)[0]
+        return random_prompts(8, 2, 10, seed=5, head=head), greedy, dict(enable_prefix_caching=True)
+    if name == "chunked":
+        return random_prompts(8, 10, 30, seed=6), greedy, dict(max_num_batched_tokens=8)
+    if name == "ngram":  # repetitive prompts: the n-gram proposer finds drafts
+        return [p * 3 for p in random_prompts(8, 2, 6, seed=8)], greedy, dict(speculative_config=NGRAM)
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize("name", ["plain", "n3-greedy", "n3-seeded", "prefix", "chunked", "ngram"])
+@pytest.mark.parametrize("model", ["llama-gqa", "qwen2-bias-mqa"])
+def test_swapping_gives_the_tokens_of_recomputation_of_no_pressure_and_of_hugging_face(model, name):
+    prompts, params, options = workload(name)
+    folder = str(tiny_checkpoint(model))
+    swapping = LLM(folder, **PRESSURE, **options, preemption_mode="swap", swap_space=host_gib(model, 200))
+    recorded = record_outputs(swapping)
+    swapped = run(swapping, prompts, params)
+    recomputing = LLM(folder, **PRESSURE, **options)
+    recomputed = run(recomputing, prompts, params)
+    free = LLM(folder, **NO_PRESSURE, **options)
+    unpressed = run(free, prompts, params)
+
+    stats = swapping.llm_engine.stats
+    assert stats.num_swapped_out > 0, "the tight pool should have swapped groups out"
+    assert stats.num_blocks_swapped_in == stats.num_blocks_swapped_out > 0, "every block swapped out came back"
+    assert recomputing.llm_engine.stats.num_preemptions > 0 and free.llm_engine.stats.num_preemptions == 0
+    for out, tables in recorded:  # each block the step swapped out was copied once, however many samples held it
+        assert len(out.blocks_to_swap_out) == len({host for table in tables for host in table})
+    if "speculative_config" in options:
+        assert stats.num_accepted_tokens > 0, "the n-gram proposer's drafts should be verified and some accepted"
+    if params.n > 1:  # a group of samples sharing their prompt's blocks went out together
+        assert any(len(out.blocks_to_swap_out) < sum(map(len, tables)) for out, tables in recorded)
+    assert_no_block_held(swapping)
+
+    if params.temperature != 0.0:  # seeded samples: one generator per sample, whatever the batch
+        assert swapped == recomputed == unpressed
+        return
+    # greedy: equal, or a first divergence at a float near-tie (batches differ between the three runs)
+    for prompt, *runs in zip(prompts, swapped, recomputed, unpressed, strict=True):
+        theirs = hf_greedy(folder, tuple(prompt), NEW_TOKENS)
+        for samples in runs:
+            for ours in samples:
+                assert_greedy_close(ours, theirs, prompt, hf_oracle(folder))
+
+
+# --- 2. swap_out / swap_in on block pools, swap_blocks on caches -------------------------------------------------
+
+
+def forked_group(manager: KVCacheManager) -> list[Sequence]:
+    """A parent of 10 computed tokens (blocks: 2 full and 1 partial) and two forks; the first fork has decoded one
+    token, so copy-on-write gave it its own last block. Distinct blocks: 3 shared or half shared, and 1 own."""
+    parent = Sequence(0, list(range(10)))
+    assert manager.allocate_slots(parent, 10) is not None
+    parent.num_computed_tokens = 10
+    children = [parent.fork(1), parent.fork(2)]
+    for child in children:
+        manager.fork(parent, child)
+    children[0].append_token(99)
+    assert len(manager.allocate_slots(children[0], 1)) == 1, "copy-on-write of the shared last block"
+    children[0].num_computed_tokens += 1
+    return [parent, *children]
+
+
+def sharing(tables: list[list[int]]) -> list[list[int]]:
+    """The structure of block tables, without the ids: each block named by its first appearance."""
+    names: dict[int, int] = {}
+    return [[names.setdefault(block_id, len(names)) for block_id in table] for table in tables]
+
+
+def test_swap_out_copies_each_distinct_block_once_and_swap_in_restores_the_sharing():
+    manager = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE, enable_prefix_caching=False)
+    device, host = manager.block_pool, BlockPool(8)
+    group = forked_group(manager)
+    device_tables = [list(seq.block_table) for seq in group]
+    assert num_group_blocks(group) == 4 and device.num_free_blocks == 12
+
+    pairs = swap_out(device, host, group)
+    assert sorted(src for src, _ in pairs) == sorted({b for table in device_tables for b in table}), "one per block"
+    assert len({dst for _, dst in pairs}) == 4 and host.num_free_blocks == 4 and device.num_free_blocks == 16
+    host_of = dict(pairs)
+    assert [seq.block_table for seq in group] == [[host_of[b] for b in table] for table in device_tables]
+    assert [host.blocks[host_of[b]].ref_cnt for b in device_tables[0]] == [3, 3, 2]  # the first fork copied block 2
+    assert host.blocks[host_of[device_tables[1][2]]].ref_cnt == 1
+    assert all(block.ref_cnt == 0 for block in device.blocks), "the group's device references are dropped"
+
+    back = swap_in(host, device, group)
+    assert sorted(src for src, _ in back) == sorted(host_of.values()) and len({dst for _, dst in back}) == 4
+    assert host.num_free_blocks == 8 and device.num_free_blocks == 12
+    assert sharing([seq.block_table for seq in group]) == sharing(device_tables)
+    ref_cnts = [device.blocks[b].ref_cnt for b in group[0].block_table]
+    assert ref_cnts == [3, 3, 2] and device.blocks[group[1].block_table[2]].ref_cnt == 1
+
+
+def test_swap_blocks_copies_the_pairs_in_every_layer_and_nothing_else():
+    shape = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2, head_dim=4)
+    src, dst = KVCache.allocate(shape, 6, BLOCK_SIZE), KVCache.allocate(shape, 5, BLOCK_SIZE)
+    torch.manual_seed(0)
+    for cache in src.key_caches + src.value_caches + dst.key_caches + dst.value_caches:
+        cache.copy_(torch.randn_like(cache))
+    before = [cache.clone() for cache in dst.key_caches + dst.value_caches]
+    pairs = [(0, 3), (5, 1), (2, 0)]
+    swap_blocks(src, dst, pairs)
+    for source, target, old in zip(src.key_caches + src.value_caches, dst.key_caches + dst.value_caches, before,
+                                   strict=True):
+        for s, d in pairs:
+            assert torch.equal(target[d], source[s])
+        for untouched in (2, 4):
+            assert torch.equal(target[untouched], old[untouched])
+
+
+# --- 3. the scheduler's rules ------------------------------------------------------------------------------------
+
+
+def test_swapped_groups_come_back_before_any_admission_and_never_in_a_step_that_preempted():
+    model = "llama-gqa"
+    folder = str(tiny_checkpoint(model))
+    llm = LLM(folder, **dict(PRESSURE, num_kv_blocks=24), preemption_mode="swap", swap_space=host_gib(model, 100))
+    recorded = record_outputs(llm)
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    prompts = random_prompts(6, 6, 14, seed=11)
+    outputs = run(llm, prompts, params)
+    scheduler = core(llm).scheduler
+
+    swapped_out: set[int] = set()
+    for out, _ in recorded:
+        assert not (out.preempted_seq_ids and out.swapped_in_seq_ids), "swap-in in a step that preempted"
+        assert not (out.preempted_seq_ids and (out.new_seq_ids or out.resumed_seq_ids)), "admission after preempting"
+        still_out = swapped_out - set(out.swapped_in_seq_ids)
+        assert not (still_out and (out.new_seq_ids or out.resumed_seq_ids)), "admitted while a group is swapped out"
+        swapped_out = still_out | set(out.swapped_out_seq_ids)
+    assert not swapped_out and any(out.swapped_in_seq_ids for out, _ in recorded)
+    assert scheduler.num_preemptions > 0
+    for prompt, samples in zip(prompts, outputs, strict=True):
+        for ours in samples:
+            assert_greedy_close(ours, hf_greedy(folder, tuple(prompt), NEW_TOKENS), prompt, hf_oracle(folder))
+
+
+@pytest.mark.parametrize("num_host_blocks", [1, 2])
+def test_a_full_host_pool_falls_back_to_recomputation_with_the_same_tokens(num_host_blocks):
+    model = "llama-gqa"
+    folder = str(tiny_checkpoint(model))
+    llm = LLM(folder, **PRESSURE, preemption_mode="swap", swap_space=host_gib(model, num_host_blocks))
+    assert core(llm).scheduler.swap_pool.num_blocks == num_host_blocks
+    prompts = random_prompts(8, 4, 20, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs = run(llm, prompts, params)
+    stats = llm.llm_engine.stats
+    assert stats.num_preemptions > stats.num_swapped_out, "some victims were too large for the host pool"
+    assert stats.num_blocks_swapped_out <= num_host_blocks * max(stats.num_swapped_out, 1)
+    assert_no_block_held(llm)
+    for prompt, (ours,) in zip(prompts, outputs, strict=True):
+        assert_greedy_close(ours, hf_greedy(folder, tuple(prompt), NEW_TOKENS), prompt, hf_oracle(folder))
+
+
+def test_a_group_too_large_to_come_back_is_recomputed_not_left_out():
+    """Three samples that together outgrow the device pool: swapping their group out would leave it out for ever
+    (it could never come back whole), so the victim alone is recomputed, and the request finishes."""
+    model = "llama-gqa"
+    folder = str(tiny_checkpoint(model))
+    llm = LLM(folder, block_size=BLOCK_SIZE, num_kv_blocks=12, max_num_seqs=4, max_model_len=64,
+              preemption_mode="swap", swap_space=host_gib(model, 100))
+    prompt = random_prompts(1, 8, 8, seed=12)[0]
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=24, ignore_eos=True)
+    (samples,) = run(llm, [prompt], params, limit=500)
+    stats = llm.llm_engine.stats
+    assert stats.num_preemptions > 0 and stats.num_swapped_out == 0
+    assert_no_block_held(llm)
+    theirs = hf_greedy(folder, tuple(prompt), 24)
+    for ours in samples:
+        assert_greedy_close(ours, theirs, prompt, hf_oracle(folder))
+
+
+# --- 4. a storm of requests and aborts ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("host_tier", [False, True])
+def test_a_storm_of_requests_and_aborts_leaves_no_block_held(host_tier):
+    model = "llama-gqa"
+    folder = str(tiny_checkpoint(model))
+    tier = dict(kv_offloading_size=host_gib(model, 16)) if host_tier else {}
+    llm = LLM(folder, **dict(PRESSURE, num_kv_blocks=32), max_num_batched_tokens=24, preemption_mode="swap",
+              swap_space=host_gib(model, 40), **tier)
+    engine, scheduler, rng = llm.llm_engine, core(llm).scheduler, random.Random(13)
+    head = random_prompts(1, 12, 12, seed=14)[0]
+    for i in range(30):
+        prompt = random_prompts(1, 1, 20, seed=100 + i, head=head if i % 3 == 0 else None)[0]
+        params = SamplingParams(n=rng.choice([1, 1, 2, 3]), temperature=rng.choice([0.0, 1.0]), seed=i,
+                                max_tokens=rng.randint(5, 40), ignore_eos=True)
+        engine.add_request(f"r{i}", prompt, params)
+    aborted_swapped = 0
+    for _ in range(3000):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+        unfinished = sorted(engine.output_processor.request_states)
+        if scheduler.swapped and rng.random() < 0.5:  # abort a request while (some of) its samples are out
+            engine.abort_request(scheduler.swapped[-1][0].request_id)
+            aborted_swapped += 1
+        elif unfinished and rng.random() < 0.05:
+            engine.abort_request(rng.choice(unfinished))
+    else:
+        raise AssertionError("the storm did not drain in 3000 steps")
+    assert aborted_swapped > 0, "no request was aborted while swapped out"
+    assert engine.stats.num_swapped_out > 0
+    assert_no_block_held(llm)
+    if host_tier:
+        assert core(llm).scheduler.kv_cache_manager.offloading.stats.num_blocks_stored > 0
+
+
+def test_finishing_a_swapped_sequence_frees_its_host_blocks():
+    """The scheduler's `finish` of a SWAPPED sequence: host references dropped, the group shrinks, then goes."""
+    manager = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE, enable_prefix_caching=False)
+    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=64,
+                          max_model_len=128, swap_pool=BlockPool(8))
+    group = forked_group(manager)
+    swap_out(manager.block_pool, scheduler.swap_pool, group)
+    for seq in group:
+        seq.status = SequenceStatus.SWAPPED
+    scheduler.swapped.append(group)
+    first, second, third = list(group)
+    scheduler.finish(second, SequenceStatus.FINISHED_ABORTED)
+    assert scheduler.swapped == [[first, third]] and scheduler.swap_pool.num_free_blocks == 8 - 4 + 1
+    scheduler.finish(first, SequenceStatus.FINISHED_ABORTED)
+    scheduler.finish(third, SequenceStatus.FINISHED_ABORTED)
+    assert scheduler.swapped == [] and scheduler.swap_pool.num_free_blocks == 8
+    assert manager.num_used_blocks == 0
+
+
+# --- 6. refusals --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options, field",
+    [
+        (dict(preemption_mode="swap", swap_space=0), "swap_space"),
+        (dict(preemption_mode="swap", swap_space=1e-9), "swap_space"),  # less than one block
+        (dict(preemption_mode="bogus"), "preemption_mode"),
+        (dict(kv_offloading_size=1.0, kv_offloading_backend="lmcache"), "kv_offloading_backend"),
+        (dict(kv_offloading_size=1e-9), "kv_offloading_size"),  # less than one block
+        (dict(kv_offloading_size=1.0, enable_prefix_caching=False), "kv_offloading_size"),
+        (dict(kv_offloading_size=1.0, kv_reservation="max"), "kv_reservation"),
+        (dict(preemption_mode="swap", kv_reservation="max"), "kv_reservation"),
+        (dict(swap_space=-1.0), "swap_space"),
+    ],
+)
+def test_bad_host_memory_options_are_refused_by_name(options, field):
+    with pytest.raises(ValueError, match=field):
+        LLM(str(tiny_checkpoint("llama-gqa")), block_size=BLOCK_SIZE, num_kv_blocks=16, **options)
+
+
+# --- 7. tensor parallelism ------------------------------------------------------------------------------------------
+
+
+def run_waves(llm: LLM, waves: list[list[list[int]]], params: SamplingParams) -> list[list[int]]:
+    """One wave after the other (the later ones evict the earlier ones' blocks): every prompt's only sample."""
+    return [samples[0] for wave in waves for samples in run(llm, wave, params, limit=1000)]
+
+
+def test_two_ranks_swap_and_load_from_the_host_tier_with_one_ranks_tokens():
+    """A shared head, a flood that evicts it from the device, the head again: swapped out, then loaded back."""
+    model = "qwen2-bias-mqa"  # its one K/V head is replicated on both ranks
+    folder = str(tiny_checkpoint(model))
+    options = dict(PRESSURE, preemption_mode="swap", swap_space=host_gib(model, 100),
+                   kv_offloading_size=host_gib(model, 200))
+    head = random_prompts(1, 12, 12, seed=21)[0]
+    prompts = [head + p for p in random_prompts(6, 2, 12, seed=22)]
+    waves = [prompts, random_prompts(6, 20, 30, seed=23), prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    one = run_waves(LLM(folder, **options), waves, params)
+    two = LLM(folder, tensor_parallel_size=2, **options)
+    try:
+        ours = run_waves(two, waves, params)
+        stats = two.llm_engine.stats
+        assert stats.num_swapped_out > 0 and stats.external_prefix_cache_hits > 0
+    finally:
+        two.llm_engine.shutdown()
+    for prompt, a, b in zip(sum(waves, []), ours, one, strict=True):
+        assert_greedy_close(a, b, prompt, hf_oracle(folder))
+        assert_greedy_close(a, hf_greedy(folder, tuple(prompt), 24), prompt, hf_oracle(folder))
