@@ -393,3 +393,38 @@ def test_two_ranks_swap_and_load_from_the_host_tier_with_one_ranks_tokens():
     for prompt, a, b in zip(sum(waves, []), ours, one, strict=True):
         assert_greedy_close(a, b, prompt, hf_oracle(folder))
         assert_greedy_close(a, hf_greedy(folder, tuple(prompt), 24), prompt, hf_oracle(folder))
+
+
+def test_a_group_member_already_in_the_batch_is_swapped_out_from_the_block_its_copy_on_write_would_copy():
+    """Sample P of a group was scheduled this step and got a copy-on-write copy (S -> D) of the partial block it
+    shares with its sibling C; then a later sequence runs out of blocks and C's group is the victim. P leaves the
+    batch, its copy is dropped, so D was never written: P's swap-out must read S."""
+    manager = KVCacheManager(num_blocks=6, block_size=4)
+    scheduler = Scheduler(
+        manager, max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=64, swap_pool=BlockPool(16)
+    )
+
+    def running(seq_id: int, num_tokens: int, request_id: str) -> Sequence:
+        seq = Sequence(seq_id, list(range(1, num_tokens + 1)))
+        seq.request_id = request_id
+        manager.allocate_slots(seq, num_tokens)
+        seq.num_computed_tokens = num_tokens
+        seq.append_token(99)  # one output token behind: a decode step
+        return seq
+
+    filler = running(0, 6, "w")  # 2 blocks, its next token fits its partial block
+    parent = running(1, 6, "r")  # 2 blocks: a full one and a partial one (2 of 4 slots)
+    child = parent.fork(2)
+    manager.fork(parent, child)  # shares both; the partial one is copied on the first write
+    needy = running(3, 4, "z")  # 1 full block: its next token needs a new one
+    for seq in (filler, parent, needy, child):  # running order: the child is the last, the victim
+        scheduler.add_running(seq)
+    shared_partial = parent.block_table[1]
+    assert manager.num_free_blocks == 1
+
+    out = scheduler.schedule()
+
+    assert out.swapped_out_seq_ids == [parent.seq_id, child.seq_id] and needy in out.scheduled_seqs
+    sources = [src for src, _ in out.blocks_to_swap_out]
+    assert sources.count(shared_partial) == 2, "both samples' copies of the partial block are read from S"
+    assert len(sources) == 3 and out.blocks_to_copy == [], "P's dropped copy is not made"
