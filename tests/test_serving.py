@@ -678,6 +678,7 @@ def test_models_health_and_metrics(client, server):
         assert response.headers["Content-Type"].startswith("text/plain")
         families = {family.name for family in text_string_to_metric_families(response.read().decode())}
     assert set(METRIC_NAMES) <= families
+    assert not [name for name in families if name.startswith("vllm:spec_decode")], "registered only with speculation"
     values = metrics(server)
     assert values["vllm:time_to_first_token_seconds_count"] > 0 and values["vllm:prompt_tokens_total"] > 0
 

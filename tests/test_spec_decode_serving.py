@@ -1,23 +1,25 @@
 """Speculative decoding through the OpenAI-compatible server: `python -m solutions.serve --speculative-config
-'{"method": "ngram", ...}'` (vLLM's flag) streams, for completions and chat, the greedy text of a server without
-it (an accepted run arrives in one step, so a delta may carry several tokens); `/metrics` has vLLM's
+'{"method": "ngram", ...}'` (vLLM's flag) streams, for completions and chat, the greedy text without it (an
+accepted run arrives in one step, so a delta may carry several tokens); `/metrics` has vLLM's
 `vllm:spec_decode_*` counters, only with speculation on; a bad `--speculative-config` stops the server at start-up
 with an error naming the flag. The offline engine's stats sum the same counts and say vLLM's acceptance figures.
 
-Two SmolLM2 servers serve the module, one with n-gram drafts (started from the command line, in its own process)
-and one without; the prompts ask for text to be copied, so the drafts are mostly accepted.
+One SmolLM2 server with n-gram drafts serves the module (started from the command line, in its own process); the
+text without drafts is the offline engine's (tests/test_serving.py checks that a plain server streams it, and that
+its /metrics has no `vllm:spec_decode_*` counter). The prompts ask for text to be copied, so the drafts are mostly
+accepted.
 """
 
-import subprocess
-import sys
 import urllib.request
 
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from solutions import LLM, SamplingParams
 from solutions.entrypoints.openai.api_server import serve_in_background
 from solutions.metrics.stats import EngineStats, SchedulerStats
+from solutions.serve import main as serve_main
 
 MODEL = "smollm2-135m"
 MAX_TOKENS = 32
@@ -44,9 +46,15 @@ def speculating():
 
 
 @pytest.fixture(scope="module")
-def plain():
-    with serve_in_background(MODEL, **SERVER) as running:
-        yield running
+def plain() -> dict[str, tuple[str, str, int]]:
+    """The offline engine's greedy answers without drafts: "completion" and "chat" → (text, finish reason,
+    tokens)."""
+    llm = LLM(MODEL, **SERVER)
+    chat_prompt = llm.tokenizer.apply_chat_template(COPYING_CHAT, tokenize=False, add_generation_prompt=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    outputs = llm.generate([COPYING_PROMPT, chat_prompt], greedy, use_tqdm=False)
+    answers = [(o.outputs[0].text, o.outputs[0].finish_reason, len(o.outputs[0].token_ids)) for o in outputs]
+    return dict(zip(("completion", "chat"), answers, strict=True))
 
 
 def client(server) -> openai.OpenAI:
@@ -89,7 +97,7 @@ def stream_chat(server) -> tuple[str, str]:
 def test_streamed_completion_with_drafts_is_the_greedy_text_without(speculating, plain):
     accepted = accepted_tokens(speculating)
     ours = stream_completion(speculating)
-    assert ours == stream_completion(plain)
+    assert ours == plain["completion"]
     assert ours[1:] == ("length", MAX_TOKENS)
     assert accepted_tokens(speculating) > accepted, "the stream was speculated: drafts were accepted"
 
@@ -97,12 +105,12 @@ def test_streamed_completion_with_drafts_is_the_greedy_text_without(speculating,
 def test_streamed_chat_with_drafts_is_the_greedy_text_without(speculating, plain):
     accepted = accepted_tokens(speculating)
     ours = stream_chat(speculating)
-    assert ours == stream_chat(plain)
+    assert ours == plain["chat"][:2]
     assert PASSAGE[:20] in ours[0], "the model copies the sentence (so drafts can be accepted)"
     assert accepted_tokens(speculating) > accepted
 
 
-def test_metrics_count_drafts_and_accepted_tokens_per_position(speculating, plain):
+def test_metrics_count_drafts_and_accepted_tokens_per_position(speculating):
     stream_completion(speculating)
     values = spec_decode_metrics(speculating)
     num_drafts = values[("vllm:spec_decode_num_drafts_total", None)]
@@ -116,7 +124,6 @@ def test_metrics_count_drafts_and_accepted_tokens_per_position(speculating, plai
     assert sum(per_pos) == num_accepted, "every accepted token has one position"
     assert per_pos == sorted(per_pos, reverse=True), "a draft is accepted up to its first rejection"
     assert num_drafts >= per_pos[0]
-    assert spec_decode_metrics(plain) == {}, "without speculation the counters are not registered (as vLLM)"
 
 
 def test_engine_stats_add_drafts_per_position_and_say_vllms_acceptance_figures():
@@ -140,10 +147,12 @@ def test_engine_stats_add_drafts_per_position_and_say_vllms_acceptance_figures()
     ('{"method": "ngram", "num_speculative_token": 4}', "unknown keys ['num_speculative_token']"),
     ("{method: ngram}", "invalid"),  # not JSON
 ])
-def test_a_bad_speculative_config_stops_the_server_at_start_up_naming_the_flag(value, says):
-    command = [sys.executable, "-m", "solutions.serve", "--port", "0", "--speculative-config", value]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2, done.stderr[-2000:]  # argparse's status for a bad command line
-    error = done.stderr.strip().splitlines()[-1]
+def test_a_bad_speculative_config_stops_the_server_at_start_up_naming_the_flag(value, says, capsys):
+    """`python -m solutions.serve`'s own `main`, called here: it exits before loading a model."""
+    with pytest.raises(SystemExit) as stopped:
+        serve_main(["--port", "0", "--speculative-config", value])
+    stderr = capsys.readouterr().err
+    assert stopped.value.code == 2, stderr[-2000:]  # argparse's status for a bad command line
+    error = stderr.strip().splitlines()[-1]
     assert error.startswith("python -m solutions.serve: error:") and "--speculative-config" in error
     assert says in error

@@ -103,21 +103,6 @@ def test_two_ranks_verify_drafts_as_one_rank_without_them_and_hugging_face(model
         assert_greedy_close(tokens, hf_greedy(folder, tuple(prompt), 32), prompt, hf_oracle(folder))
 
 
-def test_a_dead_worker_is_an_error_at_the_next_step_not_a_hang():
-    threads = torch.get_num_threads()
-    llm = LLM(str(tiny_checkpoint("llama-gqa")), tensor_parallel_size=2, max_model_len=64)
-    executor = llm.llm_engine.engine_core.engine_core.model_executor
-    try:
-        assert generate(llm, [[5, 6, 7]], GREEDY)
-        executor.workers[0].kill()
-        executor.workers[0].join(timeout=10)
-        with pytest.raises(RuntimeError, match="tp-worker-1"):
-            llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
-    finally:
-        executor.shutdown()
-    assert torch.get_num_threads() == threads, "shutting down gives this process its torch threads back"
-
-
 def test_heads_are_dealt_by_kv_group_and_replicated_below_one_kv_head_per_rank():
     smollm2 = load_model("smollm2-135m").config  # 9 query heads, 3 K/V heads, 1536 hidden units
     (a, b) = partition(smollm2, 2)
@@ -147,16 +132,24 @@ def test_row_and_column_slices_of_a_linear_sum_to_the_whole():
     torch.testing.assert_close(row(x @ w1.T), torch.nn.functional.linear(x @ w1.T, row.weight, row.bias))
 
 
-def test_forked_workers_give_the_same_tokens_and_run_this_processs_code(monkeypatch):
+def test_forked_workers_give_spawns_tokens_and_run_this_processs_code_and_a_dead_worker_is_an_error(monkeypatch):
     """With "fork" a worker is a copy of this process: it slices the model already in memory and runs whatever
     this process runs. A `shard_weight` patched here (K/V heads taken from the wrong rank) changes the tokens of a
-    forked engine, which proves the workers ran it; the unpatched forked engine gives spawn's tokens."""
+    forked engine, which proves the workers ran it; the unpatched forked engine gives spawn's tokens. The spawned
+    engine then loses a worker: an error at its next step, not a hang (one engine start for both checks)."""
     path, batch = str(tiny_checkpoint("llama-gqa")), [[5, 6, 7], [9, 10, 11, 12, 13]]
+    threads = torch.get_num_threads()
     spawned = LLM(path, tensor_parallel_size=2, max_model_len=64)
+    executor = spawned.llm_engine.engine_core.engine_core.model_executor
     try:
         want = generate(spawned, batch, GREEDY)
+        executor.workers[0].kill()
+        executor.workers[0].join(timeout=10)
+        with pytest.raises(RuntimeError, match="tp-worker-1"):
+            spawned.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
     finally:
-        spawned.llm_engine.shutdown()
+        executor.shutdown()
+    assert torch.get_num_threads() == threads, "shutting down gives this process its torch threads back"
     forked = LLM(path, tensor_parallel_size=2, max_model_len=64, worker_multiproc_method="fork")
     try:
         assert generate(forked, batch, GREEDY) == want
