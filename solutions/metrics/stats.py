@@ -74,8 +74,10 @@ class EngineStats:
     num_swapped_out: int = 0  # of them by swapping (chapter 11), and the blocks swapped out and in
     num_blocks_swapped_out: int = 0
     num_blocks_swapped_in: int = 0
-    prefix_cache_hits: int = 0  # prompt tokens found on the device,
-    external_prefix_cache_hits: int = 0  # and in the host tier (chapter 11)
+    # prompt tokens found on the device, and in the host tier (chapter 11), per lookup: a request that waits for
+    # memory is looked up again at each step it tries (as vLLM counts its prefix-cache queries)
+    prefix_cache_hits: int = 0
+    external_prefix_cache_hits: int = 0
     batch_sizes: list[int] = field(default_factory=list)  # sequences per step
     peak_blocks_used: int = 0
     steps: list[SchedulerStats] = field(default_factory=list)
