@@ -15,6 +15,14 @@ queue; its tokens are kept, so it resumes exactly where it was (prefix caching u
 still there). It repeats until the allocation succeeds or the victim is the sequence itself. No waiting
 sequence is admitted in a step that preempted.
 
+With a host pool (chapter 11, `preemption_mode="swap"`), `allocate_or_swap_out` takes the same victims but
+`preempt_group` swaps each victim out with its whole sequence group (every running sample of its request), shared
+blocks copied once (`solutions/kv_offload/swap.py`), when the host pool has room and the group could come back;
+otherwise the victim alone is recomputed. Swapped groups come back (`_swap_in`) oldest first, before anyone new is
+admitted, and never in a step that preempted. With the prefix cache's host tier (`kv_offloading_size`), an admitted
+sequence's lookup continues on the host after the device's hits, and the blocks found there are loaded instead of
+computed. The block copies both need travel in the `SchedulerOutput`, made by the runner before the forward pass.
+
 The scheduler is the one writer of a sequence's progress. When the batch is decided, `_update_after_schedule`
 advances every scheduled sequence's `num_computed_tokens` past its scheduled tokens (the step's
 `SchedulerOutput` keeps where they start), and forks the samples of an `n > 1` request whose prompt this step
