@@ -5,7 +5,7 @@ In a notebook:
     from grading import checker
     check = checker("01_naive_attention")
     check("rms_norm")      # the tests of one exercise, against the cells you have run (saved or not)
-    check()                # the whole chapter
+    check()                # the whole chapter (tests that already passed on the same definitions are not rerun)
 
 In a terminal: `pytest chapters/01_naive_attention` grades the saved notebook (see grading/plugin.py).
 """
@@ -14,6 +14,7 @@ import inspect
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from grading.checks import exercising, expect_close, expect_equal, expect_raises
 from grading.impl import ROOT, ExerciseError
@@ -44,16 +45,30 @@ def _short(failure: str) -> str:
 
 
 def checker(chapter: str) -> Callable[[str | None], None]:
-    """A `check(exercise=None)` bound to one chapter, grading the caller's live globals."""
+    """A `check(exercise=None)` bound to one chapter, grading the caller's live globals.
+
+    `check()` grades the whole chapter but does not run again a test that already passed in this kernel on the same
+    definitions: the ledger keeps, for each passed test, the exercise objects defined when it ran, and an exercise
+    cell run again since (a new object under one of those names) sends that test back to be graded.
+    """
     test_file = chapter_dir(chapter) / f"test_{chapter}.py"
+    ledger: dict[str, tuple[Any, ...]] = {}  # test node id -> the exercise objects it passed on
+    names: list[str] = []
 
     def check(exercise: str | None = None) -> None:
         import pytest
 
         from grading import plugin
+        from grading.notebooks import chapter_reference
 
-        plugin.LIVE_NAMESPACE = inspect.currentframe().f_back.f_globals  # the notebook's namespace
-        collector = ResultCollector()
+        namespace = inspect.currentframe().f_back.f_globals  # the notebook's namespace
+        names[:] = names or list(chapter_reference(chapter))
+        definitions = tuple(namespace.get(name) for name in names)
+        # A test that passed used only exercises defined then (an undefined one fails it): those must be unchanged.
+        graded = {node for node, seen in ledger.items()
+                  if all(then is None or then is now for then, now in zip(seen, definitions, strict=True))}
+        plugin.LIVE_NAMESPACE = namespace
+        collector = ResultCollector(skip=set() if exercise else graded)
         args = [str(test_file), "--impl=live", f"--rootdir={ROOT}", *IN_PROCESS_OPTIONS]
         if exercise is not None:
             args.append(f"--exercise={exercise}")
@@ -65,8 +80,11 @@ def checker(chapter: str) -> Callable[[str | None], None]:
         failed = [(name, text) for name, outcome, text in collector.results if outcome != "passed"]
         for name, text in failed:
             print(f"FAILED {name}\n    " + _short(text).replace("\n", "\n    "))
-        if code != 0 or failed or not collector.results:
+        ledger.update({node: definitions for node in collector.passed})
+        ran_nothing = code == pytest.ExitCode.NO_TESTS_COLLECTED and collector.skipped
+        if failed or not (code == 0 or ran_nothing) or not collector.collected:
             raise ExerciseError(f"{what}: {len(failed)} of {len(collector.results)} tests failed") from None
-        print(f"{what}: all {len(collector.results)} tests passed")
+        earlier = f" ({collector.skipped} of them passed earlier in this kernel, on the same definitions)"
+        print(f"{what}: all {collector.collected} tests passed" + (earlier if collector.skipped else ""))
 
     return check

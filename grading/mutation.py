@@ -5,6 +5,8 @@ and the one named for each exercise in `CAPSTONE_MUTANTS` must also make the cha
     python -m grading.mutation 01_naive_attention --json   # the same as one JSON object
 
 All mutants run in this one process (one `pytest.main` each), so torch is imported and the model loaded once.
+A mutant's run stops at its first failing test (`-x`): one failure is what kills it, and the tests after it (often
+the ones that wait out a timeout) would only say so again.
 """
 
 import argparse
@@ -20,9 +22,9 @@ CAPSTONE = "capstone"  # the exercise marker of a chapter's capstone tests
 
 
 def _run(test_file: str, mutant: str, exercise: str) -> tuple[int, list[str]]:
-    """(tests passed, tests failed) of `exercise` with `mutant` swapped in."""
+    """(tests passed, the tests that failed) of `exercise` with `mutant` swapped in, up to the first failure."""
     collector = ResultCollector()
-    args = [test_file, f"--impl=mutant:{mutant}", f"--exercise={exercise}", *IN_PROCESS_OPTIONS]
+    args = [test_file, f"--impl=mutant:{mutant}", f"--exercise={exercise}", "-x", *IN_PROCESS_OPTIONS]
     pytest.main(args, plugins=[collector])
     failed = [test for test, outcome, _ in collector.results if outcome == "failed"]
     return sum(outcome == "passed" for _, outcome, _ in collector.results), failed
@@ -53,8 +55,8 @@ def main() -> None:
         print(json.dumps(summary))
         return
     for name, row in summary.items():
-        verdict = "killed" if row["failed"] else "SURVIVED"
-        line = f"{verdict:8}  {name:<48} {row['exercise']:<24} {row['failed']} of {row['failed'] + row['passed']} tests failed"
+        verdict = f"killed by {row['killed_by'][0]}" if row["failed"] else f"SURVIVED all {row['passed']} tests"
+        line = f"{name:<48} {row['exercise']:<24} {verdict}"
         if "capstone_failed" in row:
             line += f"; capstone {'FAILS' if row['capstone_failed'] else 'PASSES (should fail)'}"
         print(line)

@@ -7,6 +7,7 @@ the names it defines, and the rest still load.
 """
 
 import ast
+import inspect
 import re
 import sys
 import types
@@ -80,18 +81,47 @@ def load_exercises(path: Path) -> LoadedNotebook:
     return loaded
 
 
-def _import_line(name: str, obj: object) -> str:
-    alias = "" if obj.__name__ == name else f" as {name}"
-    return f"from {obj.__module__} import {obj.__name__}{alias}"
+def reference_source(obj: object) -> str:
+    """The reference's own source for an exercise cell (a Triton kernel: its Python function, decorator included)."""
+    return inspect.getsource(getattr(obj, "fn", obj))
+
+
+def module_level_names(module: types.ModuleType) -> set[str]:
+    """The names a module's source defines or imports at top level (read from the file, so that attributes a
+    running process added to the module object — Triton's interpreter adds some — do not count)."""
+    names: set[str] = set()
+    for node in ast.parse(inspect.getsource(module)).body:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {target.id for target in targets if isinstance(target, ast.Name)}
+    return {name for name in names if not name.startswith("__")}
+
+
+def helper_imports(obj: object, source: str, exercises: set[str]) -> list[str]:
+    """Imports of the module-level names `source` uses from the reference's module (its private helpers, type
+    aliases, constants) — what a learner who wrote this code would have had to define too. Never another exercise:
+    the learner's own definition of it must be the one used."""
+    module = sys.modules[getattr(obj, "fn", obj).__module__]
+    words = set(re.findall(r"\b\w+\b", source))
+    return [f"from {module.__name__} import {name}" for name in sorted(words & module_level_names(module) - exercises)]
 
 
 def inject_reference(nb: nbformat.NotebookNode, reference: dict[str, object]) -> nbformat.NotebookNode:
-    """A copy of `nb` whose exercise cells import the reference instead of defining stubs."""
+    """A copy of `nb` whose exercise cells hold the reference's source (with the helpers it uses from its own
+    module imported) instead of stubs: the notebook a learner who wrote the reference's code would have, graded
+    by its own `check()` cells and run in the engine by its capstone."""
     injected = nbformat.from_dict(nb)
     for cell in exercise_cells(injected):
         names = defined_names(cell.source)
         missing = [n for n in names if n not in reference]
         if missing:
             raise ValueError(f"exercise cell defines {missing}, which the chapter's REFERENCE does not list")
-        cell.source = "\n".join(_import_line(n, reference[n]) for n in names)
+        sources = [reference_source(reference[n]) for n in names]
+        imports = sorted({line for n, src in zip(names, sources, strict=True)
+                          for line in helper_imports(reference[n], src, set(reference))})
+        cell.source = "\n".join(imports) + "\n\n" + "\n\n".join(sources)
     return injected

@@ -1,11 +1,14 @@
-"""Run chapter notebooks with the reference engine in place of the exercise cells.
+"""Run chapter notebooks with the reference's source in their exercise cells.
 
     python -m grading.notebooks                      # execute every chapter, store outputs, keep the stubs
     python -m grading.notebooks 01_naive_attention   # one chapter
 
 The shipped notebooks keep stubs in their exercise cells but carry the outputs of this run, so learners
 and the site see what a correct solution prints and plots. The test suite re-runs the same injected
-notebooks under nbval and compares the cells tagged `nbval-check-output` with what is stored.
+notebooks under nbval and compares the cells tagged `nbval-check-output` with what is stored. That run is where
+the reference passes its chapter's tests: each `check(...)` cell grades the reference's code as a learner who
+wrote it would have it, the capstone runs it in the engine, and the final `check()` (a checked output: "all N tests
+passed") grades every test the cells above did not.
 """
 
 import importlib.util
@@ -34,6 +37,7 @@ def chapter_reference(chapter: str) -> dict[str, Any]:
 
 
 def injected_notebook(chapter: str) -> nbformat.NotebookNode:
+    """The chapter's notebook with the reference's source in its exercise cells."""
     nb = nbformat.read(chapter_dir(chapter) / f"{chapter}.ipynb", as_version=4)
     return inject_reference(nb, chapter_reference(chapter))
 

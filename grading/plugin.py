@@ -112,15 +112,31 @@ IN_PROCESS_OPTIONS = ["-p", "no:terminal", "-p", "no:warnings", "-p", "no:unrais
 
 class ResultCollector:
     """A plugin object for `pytest.main(plugins=[...])` that keeps each test's outcome, for callers that
-    report results themselves (`check()` in a notebook, `python -m grading.mutation`)."""
+    report results themselves (`check()` in a notebook, `python -m grading.mutation`). Tests whose node ids are
+    in `skip` are deselected (`check()`'s ledger: they passed earlier on the same definitions)."""
 
-    def __init__(self) -> None:
+    def __init__(self, skip: set[str] | None = None) -> None:
         self.results: list[tuple[str, str, str]] = []  # (test name, outcome, failure text)
+        self.passed: list[str] = []  # node ids of the tests that passed
+        self.collected = 0  # tests selected to run, with the ones skipped
+        self.skipped = 0
+        self._skip = skip or set()
+
+    @pytest.hookimpl(trylast=True)  # after `--exercise` has made its selection
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        self.collected = len(items)
+        done = [item for item in items if item.nodeid in self._skip]
+        if done:
+            config.hook.pytest_deselected(items=done)
+            items[:] = [item for item in items if item.nodeid not in self._skip]
+        self.skipped = len(done)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when == "call" or report.failed:
             name = report.nodeid.split("::")[-1]
             self.results.append((name, report.outcome, report.longreprtext if report.failed else ""))
+        if report.when == "call" and report.passed:
+            self.passed.append(report.nodeid)
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         if report.failed:

@@ -74,6 +74,7 @@ def smollm2():
     return LLM(model="smollm2-135m", max_num_seqs=4, max_model_len=512)
 
 
+@pytest.mark.quick
 def test_smollm2_greedy_matches_hugging_face_generate(smollm2):
     folder = resolve_model("smollm2-135m")
     texts = ["Once upon a time", "The capital of France is", "def fibonacci(n):", "Paged attention"]

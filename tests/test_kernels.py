@@ -279,6 +279,7 @@ def results() -> dict[str, str | None]:
     return run_guarded(CASES)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
 def test_kernel_matches_its_reference(case, results):
     error = results[case["id"]]

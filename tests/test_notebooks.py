@@ -1,5 +1,11 @@
-"""Every chapter notebook runs top to bottom under nbval with the reference in place of its exercise cells,
-every `check()` passes, and the cells tagged `nbval-check-output` reproduce their stored outputs."""
+"""Every chapter notebook runs top to bottom under nbval with the reference's source in its exercise cells, every
+`check()` passes, and the cells tagged `nbval-check-output` reproduce their stored outputs.
+
+This is where the reference passes every chapter's grading tests, once: each `check("exercise")` cell grades its
+exercise in the notebook's own namespace, the capstone runs those definitions together in the engine, and the last
+cell's `check()` grades every test not graded above; its checked output, "all N tests passed", counts the chapter's
+tests as collected in that run, so no test is left out.
+"""
 
 import subprocess
 import sys
