@@ -1,11 +1,14 @@
 """Hint 2 is a skeleton, not the answer: for every exercise of every chapter, the code of its "Hint 2" (in the
 markdown cell after the exercise cell) must not be the reference the chapter's tests grade against.
 
-Both sides are parsed with `ast`, docstrings and decorators dropped, and compared with `ast.dump` against the
-reference as a whole, each function or class in it, and each function's body (a hint usually shows a body). A
-hint fails when it equals one of them, or when it leaves no gap for the learner (no `...` placeholder and no
-comment such as `# TODO` / `# your code`) and its normalised text (`ast.unparse`) is at least 90% similar
-(difflib) to one of them: the reference with a line or two dropped is still the answer.
+Both sides are parsed with `ast`, docstrings and decorators dropped. Three rules, any one fails a hint:
+- it equals (`ast.dump`) the reference as a whole, a function or class in it, or a function's body;
+- it leaves no gap for the learner (no `...` placeholder and no comment such as `# TODO` / `# your code`) and its
+  normalised text (`ast.unparse`) is at least 90% similar (difflib) to one of them;
+- statement by statement, it shows half or more of the reference's statements. A statement is one line of code as
+  `ast.unparse` writes it (a compound statement by its header alone: `if x > 0:`, `for b in blocks:`), compared with
+  blank space normalised; a placeholder anywhere in a hint's line (`x = ...`) makes it a different statement, so
+  gaps count for the learner and shown lines against the hint, however many `...` the hint carries elsewhere.
 """
 
 import ast
@@ -14,6 +17,7 @@ import functools
 import inspect
 import re
 import textwrap
+from collections import Counter
 from typing import Any
 
 import nbformat
@@ -24,6 +28,7 @@ from grading.notebook import EXERCISE_TAG, defined_names
 from grading.notebooks import chapter_reference
 
 SIMILARITY_LIMIT = 0.9
+SHOWN_LIMIT = 0.5  # a hint showing this share of the reference's statements, or more, gives the answer away
 _GAP_COMMENT = re.compile(r"#.*\b(todo|your|fill)\b", re.IGNORECASE)
 _HINT_2 = re.compile(r"<summary>\s*Hint 2.*?</details>", re.DOTALL)
 _CODE_BLOCK = re.compile(r"```(?:python)?\n(.*?)```", re.DOTALL)
@@ -80,6 +85,51 @@ def has_gap(code: str) -> bool:
     return "..." in code or any(_GAP_COMMENT.search(line) for line in code.splitlines())
 
 
+def _header(node: ast.stmt) -> str:
+    """One statement as a line: a compound statement by its header only (its body's statements count apart)."""
+    match node:
+        case ast.If(test=test) | ast.While(test=test):
+            return f"{type(node).__name__.lower()} {ast.unparse(test)}:"
+        case ast.For(target=target, iter=iterable) | ast.AsyncFor(target=target, iter=iterable):
+            return f"for {ast.unparse(target)} in {ast.unparse(iterable)}:"
+        case ast.With(items=items) | ast.AsyncWith(items=items):
+            return "with " + ", ".join(ast.unparse(item) for item in items) + ":"
+        case ast.Try():
+            return "try:"
+    return ast.unparse(node)
+
+
+def statements(tree: ast.AST) -> Counter[str]:
+    """The statements in `tree` that do something (not a def or class line, a docstring, `pass` or `...`)."""
+    found: Counter[str] = Counter()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.stmt) or isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            continue
+        if isinstance(node, ast.Pass) or isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue
+        found[" ".join(_header(node).split())] += 1
+    return found
+
+
+def hint_statements(code: str) -> Counter[str]:
+    """The statements of a hint's code block; a fragment that does not parse whole is read line by line (a line that
+    opens a block is read as its header)."""
+    try:
+        return statements(_strip(ast.parse(textwrap.dedent(code))))
+    except SyntaxError:
+        pass
+    found: Counter[str] = Counter()
+    for line in code.splitlines():
+        line = re.sub(r"#.*", "", line).strip()
+        for attempt in (line, line.rstrip(":") + ":\n    pass"):
+            try:
+                found += statements(ast.parse(attempt))
+                break
+            except SyntaxError:
+                continue
+    return found
+
+
 def hint_problem(code: str, candidates: list[ast.Module]) -> str | None:
     """Why this Hint 2 code gives the answer away, or None if it does not."""
     try:
@@ -115,6 +165,26 @@ def test_hint_2_is_not_the_reference(chapter, names, blocks):
         f"{chapter}, exercise {'/'.join(names)}: Hint 2's code block {i + 1} gives the answer away: {problem}. "
         "Leave the decisive lines to the learner (`...` or a `# TODO` comment)." for i, problem in problems
     )
+    shown, total = shown_statements(blocks, [reference_statements(chapter, name) for name in graded])
+    assert not total or len(shown) / total < SHOWN_LIMIT, (
+        f"{chapter}, exercise {'/'.join(names)}: Hint 2 shows {len(shown)} of the reference's {total} statements "
+        f"(limit: under {SHOWN_LIMIT:.0%}): {sorted(shown)}. Leave the lines the exercise's question is about blank."
+    )
+
+
+@functools.cache
+def reference_statements(chapter: str, name: str) -> Counter[str]:
+    reference: Any = chapter_reference(chapter)[name]
+    function = getattr(reference, "fn", reference)
+    return statements(_strip(ast.parse(textwrap.dedent(inspect.getsource(function)))))
+
+
+def shown_statements(blocks: list[str], references: list[Counter[str]]) -> tuple[list[str], int]:
+    """The reference's statements that the hint's code blocks show (each as often as both have it), and how many
+    statements the reference has."""
+    reference = sum(references, Counter())
+    hint = sum((hint_statements(code) for code in blocks), Counter())
+    return list((reference & hint).elements()), sum(reference.values())
 
 
 # --- the check itself can fail ------------------------------------------------------------------------------------
@@ -137,3 +207,15 @@ def test_a_hint_2_equal_to_the_reference_is_caught():
     full = ast.unparse(longer[0].body[0].body).splitlines()
     assert "similar" in (hint_problem("\n".join(full[:-1]), longer) or ""), "the body minus its last line passed"
     assert hint_problem("\n".join(full[:-1] + ["return ..."]), longer) is None
+
+
+def test_a_hint_2_showing_half_the_reference_is_caught_whatever_its_gaps():
+    """The reference's body with its last line turned into a gap passes the similarity rule (it has a `...`) but
+    shows nearly every statement; the same body with every line a gap shows none."""
+    reference = reference_statements("05_continuous_batching", "allocate_or_preempt")
+    body = ast.unparse(reference_candidates("05_continuous_batching", "allocate_or_preempt")[0].body[0].body)
+    lines = body.splitlines()
+    shown, total = shown_statements(["\n".join(lines[:-1] + ["return ..."])], [reference])
+    assert len(shown) / total >= SHOWN_LIMIT, f"only {len(shown)} of {total} statements counted as shown"
+    gaps = "\n".join(line[: len(line) - len(line.lstrip())] + "... # your code" for line in lines)
+    assert shown_statements([gaps], [reference])[0] == []
