@@ -91,6 +91,7 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class DeviceConfig:
     device: torch.device  # on GPUs under tensor parallelism, this rank's own (cuda:rank)
+    cpu_threads: int | None = None  # the CPU forward pass's torch threads; None: the free cores, step by step
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,6 @@
 tests/test_notebooks.py.)
 """
 
-import functools
 import inspect
 import json
 import os
@@ -110,7 +109,8 @@ def test_every_mutant_fails_a_test_of_its_exercise(chapter, grading_runs):
     summary = mutation_summary(grading_runs, chapter)
     assert summary.keys() == load_mutants(chapter).keys()
     for name, row in summary.items():
-        print(f"{chapter} mutant {name}: killed by {row['killed_by'] or 'nothing'} ({row['passed']} tests passed before)")
+        killed_by = row["killed_by"] or "nothing"
+        print(f"{chapter} mutant {name}: killed by {killed_by} ({row['passed']} tests passed before)")
     not_run = [name for name, row in summary.items() if row["failed"] + row["passed"] == 0]
     survivors = [name for name, row in summary.items() if row["failed"] == 0]
     assert not not_run, f"no test of their exercise ran for mutants {not_run}"

@@ -108,7 +108,9 @@ def test_saved_notebook_with_the_reference_source_loads_everything_it_uses(chapt
     assert not loaded.errors, loaded.errors
     for name in chapter_reference(chapter):
         obj = getattr(loaded.module, name)
-        assert getattr(getattr(obj, "fn", obj), "__module__", None) == loaded.module.__name__, f"{name} is not the notebook's"
+        module = getattr(getattr(obj, "fn", obj), "__module__", None)
+        assert module == loaded.module.__name__, f"{name} is defined in {module}, not in the notebook"
         for function in functions_of(obj):
             undefined = globals_read(function.__code__) - set(vars(loaded.module)) - set(dir(builtins))
-            assert not undefined, f"{chapter}: {name} ({function.__qualname__}) reads {sorted(undefined)}, which the saved notebook does not define"
+            assert not undefined, (f"{chapter}: {name} ({function.__qualname__}) reads {sorted(undefined)}, which the "
+                                   "saved notebook does not define")

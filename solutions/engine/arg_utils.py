@@ -91,6 +91,9 @@ class EngineArgs:
     device: str = field(default="cpu", metadata=_help(f"one of {DEVICES}"))
     dtype: str = field(default="float32", metadata=_help(f"one of {tuple(DTYPES)} (the CPU: {CPU_DTYPES})"))
     enforce_eager: bool = field(default=False, metadata=_help("no compiled forward pass, no CUDA graphs"))
+    cpu_threads: int | None = field(
+        default=None, metadata=_help("torch threads of the CPU forward pass (default: the cores others leave free)")
+    )
     kv_reservation: str | None = field(default=None, metadata=_help(f"Orca's baselines: one of {KV_RESERVATIONS}"))
     tensor_parallel_size: int = field(default=1, metadata=_help("ranks the model is split over"))
     distributed_executor_backend: str = field(default="mp", metadata=_help(f"one of {DISTRIBUTED_EXECUTOR_BACKENDS}"))
@@ -127,7 +130,7 @@ class EngineArgs:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
                      "tensor_parallel_size"):
             _positive_int(name, getattr(self, name))
-        for name in ("num_kv_blocks", "max_model_len", "long_prefill_token_threshold"):
+        for name in ("num_kv_blocks", "max_model_len", "long_prefill_token_threshold", "cpu_threads"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
         if self.tensor_parallel_size > 1 and self.attention_backend == "inductor":
@@ -267,7 +270,7 @@ class EngineArgs:
             parallel_config=ParallelConfig(
                 self.tensor_parallel_size, self.distributed_executor_backend, self.worker_multiproc_method
             ),
-            device_config=DeviceConfig(device),
+            device_config=DeviceConfig(device, self.cpu_threads),
             speculative_config=self._speculative_config(hf_config.num_hidden_layers),
         )
 

@@ -13,11 +13,13 @@ the core in a process, 242 ms in a thread and 225 ms in the offline loop with no
 were 1.10× the offline loop's in a process and 0.92× in a thread — the process serves 1.19× the thread's tokens/s.
 (That the process beats the offline loop by 10% we do not fully explain; it held with one torch thread too, 1.06×.)
 
-Threads inside the core: the child keeps torch's default, one intra-op thread per core, since its forward pass
-is the work that needs the cores; the front end does no tensor work. (Measured as above: with one torch thread
-instead of two, every path lost 15–25% of its tokens/s.) On a machine busier than its core count,
-torch's OpenMP threads wait on each other and a step can take many times longer; `OMP_NUM_THREADS=1` in the
-environment then restores it.
+Threads inside the core: the forward pass is the work that needs the cores (the front end does no tensor work), so
+the core's executor gives it one intra-op thread per core this process can get (measured as above: with one torch
+thread instead of two, every path lost 15–25% of its tokens/s). On a machine shared with other work, a thread
+whose core is busy holds every other thread at each parallel region's barrier, and a step can take many times
+longer: the executor's `CpuThreadPolicy` (`solutions/worker/cpu_threads.py`) re-reads every second how much of
+each core other processes use and drops the threads they would contend for; `--cpu-threads N` (or
+`OMP_NUM_THREADS`) fixes the count instead.
 
 The child process is started with "spawn" (a fresh interpreter, not a fork of this one: forking a process that
 has started threads — tokenizers, OpenMP, the event loop — can deadlock the child). So the child imports
