@@ -15,6 +15,7 @@ never returned and why that usually happens.
 import dataclasses
 import functools
 import re
+import time
 
 import pytest
 import torch
@@ -508,14 +509,20 @@ def test_worker_busy_loop_ends_on_a_failing_step_so_rank_zero_hears_at_once(impl
     with swap_in(impl, {"worker_busy_loop": REFERENCE["worker_busy_loop"]}):
         llm = start_ranks()
         try:
+            start = time.monotonic()
             message = step_error(llm, what)
+            waited = time.monotonic() - start
         finally:
             llm.llm_engine.shutdown()
-    if "Timed out" in message or "tp-worker-1" not in message:
+    # A worker that swallows the error leaves rank 0 in the step's all-reduce until the group's timeout; the worker
+    # then gives up on its own next broadcast, and which of the two timeouts speaks first is a race on a busy
+    # machine. So "at once" is also checked as it is meant: before the timeout could have fired.
+    if "Timed out" in message or "tp-worker-1" not in message or waited >= 0.8 * STEP_TIMEOUT_SECONDS:
         raise AssertionError(
             f"on input {what}: rank 0 should fail at once because the worker ended (its connection closed) and be "
-            f"told that tp-worker-1 died; instead:\n  {message}\n  Likely cause: the worker caught its failing "
-            "step and went back to wait for the next broadcast, leaving rank 0 waiting in the step's all-reduce "
+            f"told that tp-worker-1 died; instead, after {waited:.1f} s:\n  {message}\n  Likely cause: the worker "
+            "caught its failing step and went back to wait for the next broadcast, leaving rank 0 waiting in the "
+            "step's all-reduce "
             f"until the group's {STEP_TIMEOUT_SECONDS:g} s timeout (for ever, with no timeout)")
 
 
