@@ -1,7 +1,7 @@
 """Mutation testing: every plausible wrong answer in tests/mutants/ch<NN>.py must fail a test of its exercise,
 and the one named for each exercise in `CAPSTONE_MUTANTS` must also make the chapter's capstone fail.
 
-    python -m grading.mutation 01_naive_attention          # a table: mutant, exercise, tests failed
+    python -m grading.mutation 01_naive_attention          # a table: mutant, exercise, the test that killed it
     python -m grading.mutation 01_naive_attention --json   # the same as one JSON object
 
 All mutants run in this one process (one `pytest.main` each), so torch is imported and the model loaded once.

@@ -30,6 +30,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -48,7 +49,7 @@ def usable_cpus() -> list[int]:
 def cpu_quota(path: str = "/sys/fs/cgroup/cpu.max") -> float | None:
     """The CPUs' worth of time a cgroup v2 quota allows ("max" or no file: no quota)."""
     try:
-        quota, period = open(path).read().split()
+        quota, period = Path(path).read_text().split()
     except (OSError, ValueError):
         return None
     return None if quota == "max" else int(quota) / int(period)
@@ -72,12 +73,13 @@ class CpuTimes:
 
 def read_cpu_times(cpus: list[int]) -> CpuTimes | None:
     """`/proc/stat`'s busy time of `cpus` and `/proc/self/stat`'s own time, in seconds; None without /proc."""
+    names = {f"cpu{cpu}" for cpu in cpus}
     try:
         busy = 0
         with open("/proc/stat") as stat:
             for line in stat:
                 name, *fields = line.split()
-                if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+                if name in names:
                     user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
                     busy += user + nice + system + irq + softirq + steal
         with open("/proc/self/stat") as stat:
@@ -90,7 +92,7 @@ def read_cpu_times(cpus: list[int]) -> CpuTimes | None:
 
 def threads_for(others: float, limit: int) -> int:
     """Threads to use when other processes keep `others` cores busy: one per core they leave mostly free."""
-    return max(1, min(limit, limit - math.floor(others + 1 - BUSY_CORE)))
+    return max(1, limit - math.floor(others + 1 - BUSY_CORE))
 
 
 class CpuThreadPolicy:
