@@ -522,7 +522,8 @@ def test_generate_aborts_when_the_callers_task_is_cancelled(impl):
 @pytest.mark.exercise("generate")
 def test_generate_never_aborts_a_finished_request(impl):
     inputs = ("request 'r' (4 tokens) read up to its finished output and left there (the stream is not exhausted); "
-              "a new request with the same id 'r' (12 tokens) starts; then the old stream is closed")
+              f"a new request with the same id 'r' ({LONG.max_tokens} tokens, long enough to be running when the "
+              "old stream closes) starts; then the old stream is closed")
 
     async def scenario():
         with tiny_async_llm() as llm, exercising("generate", inputs):
@@ -530,16 +531,17 @@ def test_generate_never_aborts_a_finished_request(impl):
             async for output in old:
                 if output.finished:
                     break  # the caller has everything; the generator is still suspended at its `yield`
-            new = impl.generate(llm, list(range(20, 31)), SamplingParams(max_tokens=12, **GREEDY), "r")
+            new = impl.generate(llm, list(range(20, 31)), LONG, "r")
             first = await anext(new)
             await old.aclose()  # the old request is finished: nothing may be aborted now
             rest = await read_all(new)
             return [first, *rest]
 
     outputs = run(scenario(), **GENERATE_ENDS, timeout=30)
-    expect_equal((tokens_of(outputs), outputs[-1].outputs[0].finish_reason), (offline(list(range(20, 31)), 12),
-                 FinishReason.LENGTH), inputs=f"{inputs}; the new request's tokens and finish reason (an abort "
-                 "sent for the finished request would hit the new one: abort only a request that has not finished)")
+    expected = offline(list(range(20, 31)), LONG.max_tokens), FinishReason.LENGTH
+    expect_equal((tokens_of(outputs), outputs[-1].outputs[0].finish_reason), expected,
+                 inputs=f"{inputs}; the new request's tokens and finish reason (an abort sent for the finished "
+                 "request would hit the new one: abort only a request that has not finished)")
 
 
 @pytest.mark.exercise("generate")
