@@ -11,6 +11,7 @@ wrote it would have it, the capstone runs it in the engine, and the final `check
 passed") grades every test the cells above did not.
 """
 
+import functools
 import importlib.util
 import sys
 import time
@@ -27,13 +28,25 @@ _NOTEBOOK_METADATA = {
 }
 
 
-def chapter_reference(chapter: str) -> dict[str, Any]:
-    """The `REFERENCE` mapping declared by a chapter's test file."""
+@functools.cache
+def _chapter_tests(chapter: str) -> Any:
+    """A chapter's test file, loaded as a module once per process."""
     path = chapter_dir(chapter) / f"test_{chapter}.py"
     spec = importlib.util.spec_from_file_location(f"reference_of_{chapter}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.REFERENCE
+    return module
+
+
+def chapter_reference(chapter: str) -> dict[str, Any]:
+    """The `REFERENCE` mapping declared by a chapter's test file."""
+    return _chapter_tests(chapter).REFERENCE
+
+
+def chapter_decisive(chapter: str) -> dict[str, list[str]]:
+    """The `DECISIVE` mapping declared by a chapter's test file: exercise -> the reference statements its question
+    is about (none of which its Hint 2 may show)."""
+    return getattr(_chapter_tests(chapter), "DECISIVE", {})
 
 
 def injected_notebook(chapter: str) -> nbformat.NotebookNode:

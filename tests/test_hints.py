@@ -8,7 +8,9 @@ Both sides are parsed with `ast`, docstrings and decorators dropped. Three rules
 - statement by statement, it shows half or more of the reference's statements. A statement is one line of code as
   `ast.unparse` writes it (a compound statement by its header alone: `if x > 0:`, `for b in blocks:`), compared with
   blank space normalised; a placeholder anywhere in a hint's line (`x = ...`) makes it a different statement, so
-  gaps count for the learner and shown lines against the hint, however many `...` the hint carries elsewhere.
+  gaps count for the learner and shown lines against the hint, however many `...` the hint carries elsewhere;
+- it shows one of the statements the exercise's question is about: the chapter's test file lists them per exercise
+  (`DECISIVE`, beside `REFERENCE`), each of which must be a statement of the reference, so the list cannot go stale.
 """
 
 import ast
@@ -25,7 +27,7 @@ import pytest
 
 from grading import CHAPTERS
 from grading.notebook import EXERCISE_TAG, defined_names
-from grading.notebooks import chapter_reference
+from grading.notebooks import chapter_decisive, chapter_reference
 
 SIMILARITY_LIMIT = 0.9
 SHOWN_LIMIT = 0.5  # a hint showing this share of the reference's statements, or more, gives the answer away
@@ -170,6 +172,24 @@ def test_hint_2_is_not_the_reference(chapter, names, blocks):
         f"{chapter}, exercise {'/'.join(names)}: Hint 2 shows {len(shown)} of the reference's {total} statements "
         f"(limit: under {SHOWN_LIMIT:.0%}): {sorted(shown)}. Leave the lines the exercise's question is about blank."
     )
+    for name in graded:
+        decisive = decisive_statements(chapter, name)
+        shown_decisive = [line for line in decisive if line in sum(map(hint_statements, blocks), Counter())]
+        assert not shown_decisive, (
+            f"{chapter}, exercise {name}: Hint 2 shows the line(s) its question is about: {shown_decisive}. "
+            "Leave them to the learner (`...`)."
+        )
+
+
+def decisive_statements(chapter: str, name: str) -> list[str]:
+    """The statements exercise `name`'s question is about (the test file's `DECISIVE`), each checked to be one of
+    the reference's statements."""
+    listed = chapter_decisive(chapter).get(name)
+    assert listed, f"{chapter}: exercise {name} has no entry in the test file's DECISIVE (the lines it is about)"
+    normalised = [" ".join(line.split()) for line in listed]
+    stale = [line for line in normalised if line not in reference_statements(chapter, name)]
+    assert not stale, f"{chapter}: DECISIVE[{name!r}] lists lines that are not statements of its reference: {stale}"
+    return normalised
 
 
 @functools.cache
@@ -219,3 +239,15 @@ def test_a_hint_2_showing_half_the_reference_is_caught_whatever_its_gaps():
     assert len(shown) / total >= SHOWN_LIMIT, f"only {len(shown)} of {total} statements counted as shown"
     gaps = "\n".join(line[: len(line) - len(line.lstrip())] + "... # your code" for line in lines)
     assert shown_statements([gaps], [reference])[0] == []
+
+
+def test_a_hint_2_showing_a_decisive_line_is_caught():
+    """A skeleton that is all gaps but for one of the lines the exercise is about is caught; all gaps is not."""
+    decisive = decisive_statements("05_continuous_batching", "allocate_or_preempt")
+    body = ast.unparse(reference_candidates("05_continuous_batching", "allocate_or_preempt")[0].body[0].body)
+    lines = body.splitlines()
+    gaps = [line[: len(line) - len(line.lstrip())] + "... # your code" for line in lines]
+    with_one = [line if " ".join(line.split()) == decisive[0] else gap for line, gap in zip(lines, gaps)]
+    assert with_one != gaps, f"the decisive line {decisive[0]!r} is not a line of the reference's body"
+    hinted = sum(map(hint_statements, ["\n".join(with_one)]), Counter())
+    assert decisive[0] in hinted and not any(line in hint_statements("\n".join(gaps)) for line in decisive)
