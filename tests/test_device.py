@@ -114,6 +114,19 @@ def test_bfloat16_through_the_triton_kernels_agrees_with_float32():
     assert_greedy_streams_close(bf16, tiny_llm(attention_backend="triton", device=DEVICE.type), random_prompts(4))
 
 
+def test_bfloat16_fast_path_reads_its_cache_in_the_c_kernel_and_agrees_with_float32():
+    """The CPU fast path in bf16: decodes go to the C kernel, which reads the bf16 cache as it lies (widening each
+    value to fp32 as it loads it), not to the compiled loop; its greedy streams stay close to float32's."""
+    from solutions.attention import cpu_kernels
+
+    bf16 = tiny_llm(attention_backend="inductor", dtype="bfloat16", enforce_eager=True)
+    key_cache = runner_of(bf16).kv_cache.key_caches[0]
+    config = runner_of(bf16).model.config
+    q = key_cache.new_zeros(1, config.num_attention_heads, key_cache.shape[3])
+    assert key_cache.dtype == torch.bfloat16 and cpu_kernels.supports(q, key_cache)
+    assert_greedy_streams_close(bf16, tiny_llm(attention_backend="inductor", enforce_eager=True), random_prompts(16))
+
+
 def test_kv_cache_sizing_counts_the_dtype_bytes():
     budget = 2**20
     blocks = {

@@ -62,9 +62,10 @@ def test_in_place_decode_attention_equals_the_gather_then_sdpa(num_seqs, max_blo
 
 def test_c_decode_kernel_at_smollm2s_shape_over_long_contexts():
     """The C kernel (`solutions/attention/cpu_kernels.py`) at SmolLM2's heads (9 query, 3 K/V, D 64), block 16,
-    contexts up to 1,000 tokens on shuffled tables wider than any sequence needs; bf16 is left to the compiled loop.
-    Both ways of dealing the work: whole sequences per task (at least two sequences per thread), and one K/V head
-    per task (fewer)."""
+    contexts up to 1,000 tokens on shuffled tables wider than any sequence needs, from an fp32 and from a bf16 cache
+    (bf16 widened to fp32 as it is read: against the fp32 result on the same bf16 values, only the output's rounding
+    to bf16 differs). Both ways of dealing the work: whole sequences per task (at least two sequences per thread),
+    and one K/V head per task (fewer). fp16 is left to the compiled loop."""
     from solutions.attention import cpu_kernels
 
     g = torch.Generator().manual_seed(7)
@@ -73,6 +74,8 @@ def test_c_decode_kernel_at_smollm2s_shape_over_long_contexts():
     block_tables = torch.randperm(400, generator=g)[: 6 * 64].view(6, 64)
     q = torch.randn(6, 9, 64, generator=g)
     expected = batched_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, 0.125)
+    bf16 = [t.bfloat16() for t in (q, key_cache, value_cache)]
+    expected_bf16 = batched_decode_attention(*(t.float() for t in bf16), block_tables, seq_lens, 0.125).bfloat16()
     threads = torch.get_num_threads()
     try:
         for num_threads, num_seqs in [(1, 6), (1, 1), (2, 3), (2, 6)]:
@@ -80,10 +83,14 @@ def test_c_decode_kernel_at_smollm2s_shape_over_long_contexts():
             got = c_paged_decode_attention(q[:num_seqs], key_cache, value_cache, block_tables[:num_seqs],
                                            seq_lens[:num_seqs], 0.125)
             torch.testing.assert_close(got, expected[:num_seqs], rtol=1e-5, atol=1e-5)
+            got = c_paged_decode_attention(bf16[0][:num_seqs], *bf16[1:], block_tables[:num_seqs],
+                                           seq_lens[:num_seqs], 0.125)
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got, expected_bf16[:num_seqs])  # bf16's tolerance: one rounding
     finally:
         torch.set_num_threads(threads)
-    assert cpu_kernels.supports(q, key_cache)
-    assert not cpu_kernels.supports(q.bfloat16(), key_cache.bfloat16())
+    assert cpu_kernels.supports(q, key_cache) and cpu_kernels.supports(*bf16[:2])
+    assert not cpu_kernels.supports(q.half(), key_cache.half())
 
 
 @pytest.mark.parametrize("head_dim", [128, 80, 8], ids=["d128-specialised", "d80-generic", "d8-not-a-vector"])
@@ -119,7 +126,8 @@ def test_compiled_fast_path_equals_hugging_face_and_compiles_only_at_start_up(mo
     prompts = prompts_with_a_shared_head(18, 256, seed=4)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for prompt, output in zip(prompts, outputs, strict=True):
-        assert_greedy_close(output.outputs[0].token_ids, hf_greedy(folder, tuple(prompt), NEW_TOKENS), prompt, hf_oracle(folder))
+        expected = hf_greedy(folder, tuple(prompt), NEW_TOKENS)
+        assert_greedy_close(output.outputs[0].token_ids, expected, prompt, hf_oracle(folder))
     engine, scheduler = llm.llm_engine, core(llm).scheduler
     assert scheduler.num_preemptions > 0, "the KV budget forces preemptions"
     assert scheduler.kv_cache_manager.prefix_cache_stats.hits > 0, "the shared head is found in the prefix cache"
@@ -148,5 +156,6 @@ def test_smollm2_fast_path_equals_hugging_face():
     prompts = [llm.tokenizer.encode(t) for t in texts] + prompts_with_a_shared_head(12, 49152, seed=6)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for prompt, output in zip(prompts, outputs, strict=True):
-        assert_greedy_close(output.outputs[0].token_ids, hf_greedy(folder, tuple(prompt), NEW_TOKENS), prompt, hf_oracle(folder))
+        expected = hf_greedy(folder, tuple(prompt), NEW_TOKENS)
+        assert_greedy_close(output.outputs[0].token_ids, expected, prompt, hf_oracle(folder))
     assert core(llm).scheduler.num_preemptions > 0

@@ -11,7 +11,7 @@ more queries of the same task: the context is still read once.
 The source is compiled on first use with the machine's C compiler (`gcc -O3 -march=native -fopenmp`, or `$CC`)
 into the course's cache folder, keyed by the source, the flags and the CPU, and loaded with `ctypes`; OpenMP
 binds to the runtime torch already loaded (the same `libgomp.so.1`), so the kernel and torch share one thread
-pool. It takes fp32 on the CPU; `supports` says whether a call qualifies.
+pool. It reads an fp32 or a bf16 cache on the CPU, computing in fp32; `supports` says whether a call qualifies.
 
 Where this lives in vLLM: `csrc/cpu/attention.cpp` (`paged_attention_v1` / `_v2` for the CPU, in C++ with
 vector intrinsics), called from `vllm/v1/attention/backends/cpu_attn.py`.
@@ -63,16 +63,21 @@ def _library() -> ctypes.CDLL:
             raise RuntimeError(f"compiling {SOURCE.name} failed:\n{build.stderr}")
         os.replace(partial, target)  # atomic: a concurrent build never loads half a file
     library = ctypes.CDLL(str(target))
-    library.paged_decode_attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float]
-    library.paged_decode_attention.restype = None
+    for entry in (library.paged_decode_attention, library.paged_decode_attention_bf16):
+        entry.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+        entry.restype = None
     return library
 
 
+CACHE_DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads the cache as; it computes in fp32
+
+
 def supports(q: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """Whether the C kernel takes these tensors: fp32 on the CPU, heads of a multiple of LANES up to MAX_HEAD_DIM."""
+    """Whether the C kernel takes these tensors: on the CPU, a cache and queries of one dtype in `CACHE_DTYPES`,
+    heads of a multiple of LANES up to MAX_HEAD_DIM."""
     head_dim = key_cache.shape[3]
     return (
-        q.device.type == "cpu" and q.dtype == key_cache.dtype == torch.float32
+        q.device.type == "cpu" and q.dtype == key_cache.dtype and key_cache.dtype in CACHE_DTYPES
         and head_dim % LANES == 0 and head_dim <= MAX_HEAD_DIM
     )
 
@@ -91,11 +96,14 @@ def c_paged_decode_attention(
     num_q_heads, head_dim = q.shape[-2:]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     # Every tensor the C code reads is held by a name here until it returns: its memory must outlive the call.
-    q, keys, values = q.contiguous(), key_cache.contiguous(), value_cache.contiguous()
+    # The queries and the output are fp32 whatever the cache holds (they are small; the cache is what is read).
+    q32, keys, values = q.float().contiguous(), key_cache.contiguous(), value_cache.contiguous()
     tables, lens = block_tables.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous()
-    out = torch.empty_like(q)
-    _library().paged_decode_attention(
-        q.data_ptr(), keys.data_ptr(), values.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+    out = torch.empty_like(q32)
+    library = _library()
+    entry = library.paged_decode_attention_bf16 if keys.dtype == torch.bfloat16 else library.paged_decode_attention
+    entry(
+        q32.data_ptr(), keys.data_ptr(), values.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
         num_seqs, num_queries, num_q_heads, num_kv_heads, head_dim, block_size, tables.shape[1], scale,
     )
-    return out
+    return out.to(q.dtype)

@@ -14,9 +14,9 @@ lies: one pass over the context, no copy. What chapter 6's Triton kernel does by
 from eight lines of PyTorch.
 
 The compiled loop pads every sequence to the longest in the batch, and reads the cache at a fraction of the
-machine's bandwidth; so in fp32, the CPU's dtype for this engine, decodes go to a kernel written by hand
-(`cpu_kernels.py`, chapter 6's kernel in C: each sequence's keys, then its values, read once, nothing past its length),
-and the compiled loop serves the rest (bf16).
+machine's bandwidth; so decodes go to a kernel written by hand (`cpu_kernels.py`, chapter 6's kernel in C: each
+sequence's keys, then its values, read once, nothing past its length), from an fp32 or a bf16 cache, and the
+compiled loop serves the rest (fp16, heads that are not a whole number of vectors).
 
 A speculative verify (1 + k new tokens of a decoding sequence) is a decode with more queries: the C kernel scores
 all of them, each with its own causal length, while it reads the context once (`max_decode_query_len`). Prefills
@@ -86,8 +86,8 @@ def fast_decode_attention(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    """In place: the hand-written C kernel where it applies (`cpu_kernels.supports`: fp32 on the CPU, heads of a
-    multiple of 16 floats), else the compiled loop above (bf16, odd head sizes).
+    """In place: the hand-written C kernel where it applies (`cpu_kernels.supports`: fp32 or bf16 on the CPU, heads
+    of a multiple of 16 floats), else the compiled loop above (fp16, odd head sizes).
 
     q (Bd, Hq, D), or (Bd, Q, Hq, D) for Q new tokens per sequence (a speculative verify: token i sees
     `seq_lens[b] - (Q - 1 - i)` tokens) -> the same shape. The C kernel scores all Q while it reads the context

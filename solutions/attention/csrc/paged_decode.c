@@ -32,8 +32,13 @@
  * are more query rows of the same task, so the context is still read once; the causal mask is a shorter row of
  * scores for each earlier token (token r of Q sees the first seq_len - (Q - 1 - r) positions).
  *
- * Layouts (fp32, contiguous): q, out (B, num_queries, Hq, D); key_cache, value_cache (num_blocks, block_size, Hkv,
- * D); block_tables (B, max_blocks) int64; seq_lens (B,) int64, each the length the sequence's last query token sees.
+ * The cache may be fp32 or bf16 (`paged_decode_attention_bf16`): a bf16 value is the upper half of the fp32 one, so
+ * widening it is a shift, done as the vector is loaded; all arithmetic stays fp32. The cache is what the kernel
+ * streams, so half the bytes is (nearly) half the time; q and out are small and stay fp32.
+ *
+ * Layouts (contiguous): q, out (B, num_queries, Hq, D) fp32; key_cache, value_cache (num_blocks, block_size, Hkv,
+ * D) fp32 or bf16; block_tables (B, max_blocks) int64; seq_lens (B,) int64, each the length the sequence's last
+ * query token sees.
  * Query head h reads K/V head h / (Hq / Hkv).
  * D is a multiple of LANES, at most MAX_HEAD_DIM.
  */
@@ -51,8 +56,18 @@ typedef float vfloat __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t vint __attribute__((vector_size(LANES * sizeof(int32_t))));
 typedef float vfloat_unaligned __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
 
+typedef uint16_t bf16_unaligned __attribute__((vector_size(LANES * sizeof(uint16_t)), aligned(2)));
+
 static inline vfloat load(const float *p) { return *(const vfloat_unaligned *)p; }
 static inline void store(float *p, vfloat x) { *(vfloat_unaligned *)p = x; }
+
+/* LANES cache entries from element `i` of `cache`, as floats: fp32 as stored, or bf16 widened (its 16 bits become
+ * the float's upper half). `bf16` is a constant wherever this is inlined, so the test costs nothing. */
+static inline vfloat load_kv(const void *cache, int64_t i, const int bf16) {
+    if (!bf16) return load((const float *)cache + i);
+    const vint wide = __builtin_convertvector(*(const bf16_unaligned *)((const uint16_t *)cache + i), vint);
+    return (vfloat)(wide << 16);
+}
 
 /* The sum of x's lanes: four shuffle-and-add steps, each folding the upper half of the live lanes onto the lower. */
 static inline float lane_sum(vfloat x) {
@@ -82,20 +97,22 @@ static inline vfloat exp_nonpositive(vfloat x) {
     return poly * (vfloat)((__builtin_convertvector(n, vint) + 127) << 23);
 }
 
-/* Where block `i` of a sequence's table starts in `cache`, at the task's first K/V head (`head_offset` floats in). */
-static inline const float *block_at(const float *cache, const int64_t *table, int64_t i, int64_t block_stride,
-                                    int64_t head_offset) {
-    return cache + table[i] * block_stride + head_offset;
+/* The element where block `i` of a sequence's table starts in the cache, at the task's first K/V head
+ * (`head_offset` elements in). */
+static inline int64_t block_at(const int64_t *table, int64_t i, int64_t block_stride, int64_t head_offset) {
+    return table[i] * block_stride + head_offset;
 }
 
-/* Into the L2: the task's slice (`floats` from `head_offset`) of position p's slot, if p is in the sequence. */
-static inline void prefetch_position(const float *cache, const int64_t *table, int64_t p, int64_t len,
+/* Into the L2: the task's slice (`elements` from `head_offset`) of position p's slot, if p is in the sequence. */
+static inline void prefetch_position(const void *cache, const int64_t *table, int64_t p, int64_t len,
                                      int64_t block_size, int64_t block_stride, int64_t token_stride,
-                                     int64_t head_offset, int64_t floats) {
+                                     int64_t head_offset, int64_t elements, const int bf16) {
     if (p >= len) return;
-    const float *block = block_at(cache, table, p / block_size, block_stride, head_offset);
-    const float *first = block + (p % block_size) * token_stride;
-    for (int64_t f = 0; f < floats; f += CACHE_LINE_FLOATS) __builtin_prefetch(first + f, 0, 1);
+    const int64_t element_bytes = bf16 ? 2 : 4;
+    const int64_t first = block_at(table, p / block_size, block_stride, head_offset) + (p % block_size) * token_stride;
+    const char *bytes = (const char *)cache + first * element_bytes;
+    for (int64_t f = 0; f < elements * element_bytes; f += CACHE_LINE_FLOATS * sizeof(float))
+        __builtin_prefetch(bytes + f, 0, 1);
 }
 
 /* How many of block `i`'s slots hold the sequence's tokens: all but in its last block. */
@@ -104,12 +121,13 @@ static inline int64_t tokens_in_block(int64_t len, int64_t i, int64_t block_size
 }
 
 /* One task: sequence `b`, K/V heads [h_begin, h_end) and their query heads, for each of its num_queries tokens.
- * `scores` holds (rows × len) floats, `acc` (rows × head_dim): the thread's own workspace. Inlined with head_dim a constant (64, 128) where it can
- * be, so the loops over it unroll and a head's running sums stay in registers. */
+ * `scores` holds (rows × len) floats, `acc` (rows × head_dim): the thread's own workspace. Inlined with head_dim a
+ * constant (64, 128) where it can be, so the loops over it unroll and a head's running sums stay in registers;
+ * and with `bf16` a constant, so each cache type gets its own loads. */
 static inline __attribute__((always_inline)) void attend_task(
-    const float *q, const float *key_cache, const float *value_cache, const int64_t *table, int64_t len, float *out,
+    const float *q, const void *key_cache, const void *value_cache, const int64_t *table, int64_t len, float *out,
     int64_t num_queries, int64_t h_begin, int64_t h_end, int64_t num_q_heads, int64_t num_kv_heads,
-    const int64_t head_dim, int64_t block_size, float scale, float *scores, float *qs, float *acc) {
+    const int64_t head_dim, int64_t block_size, float scale, float *scores, float *qs, float *acc, const int bf16) {
     const int64_t group = num_q_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
     const int64_t num_blocks = (len + block_size - 1) / block_size;
@@ -124,24 +142,26 @@ static inline __attribute__((always_inline)) void attend_task(
     /* Pass 1: scores[j * len + position] = q_j · k_position (scaled), a block at a time, row by row: each row's
      * scores are written in order, and the block's keys stay in the L1 for the next row. */
     for (int64_t i = 0; i < num_blocks; i++) {
-        const float *keys = block_at(key_cache, table, i, block_stride, head_offset);
+        const int64_t keys = block_at(table, i, block_stride, head_offset);
         const int64_t n = tokens_in_block(len, i, block_size);
         for (int64_t j = 0; j < num_q; j++) {
-            const float *k = keys + KV_HEAD(j), *qj = qs + j * head_dim;
+            const int64_t k = keys + KV_HEAD(j);
+            const float *qj = qs + j * head_dim;
             float *s = scores + j * len + i * block_size;
             for (int64_t t = 0; t < n; t++) {
                 if (j == 0) /* the first row's walk over the block brings the slots in for the others */
                     prefetch_position(key_cache, table, i * block_size + t + AHEAD, len, block_size, block_stride,
-                                      token_stride, head_offset, task_floats);
-                vfloat dot = load(qj) * load(k + t * token_stride);
+                                      token_stride, head_offset, task_floats, bf16);
+                vfloat dot = load(qj) * load_kv(key_cache, k + t * token_stride, bf16);
                 for (int64_t c = 1; c < head_dim / LANES; c++)
-                    dot += load(qj + c * LANES) * load(k + t * token_stride + c * LANES);
+                    dot += load(qj + c * LANES) * load_kv(key_cache, k + t * token_stride + c * LANES, bf16);
                 s[t] = lane_sum(dot);
             }
         }
     }
     for (int64_t p = 0; p < AHEAD; p++) /* the first values, during the softmax */
-        prefetch_position(value_cache, table, p, len, block_size, block_stride, token_stride, head_offset, task_floats);
+        prefetch_position(value_cache, table, p, len, block_size, block_stride, token_stride, head_offset, task_floats,
+                          bf16);
 
     /* Softmax numerators in place, and 1 / their sum, per query row: query token r sees the first
      * len - (num_queries - 1 - r) positions (the causal mask); the positions past them get weight 0. */
@@ -174,18 +194,19 @@ static inline __attribute__((always_inline)) void attend_task(
     /* Pass 2: acc_j = sum over positions of p_j(position) · v_position. */
     for (int64_t j = 0; j < num_q * head_dim; j++) acc[j] = 0.0f;
     for (int64_t i = 0; i < num_blocks; i++) {
-        const float *values = block_at(value_cache, table, i, block_stride, head_offset);
+        const int64_t values = block_at(table, i, block_stride, head_offset);
         const int64_t n = tokens_in_block(len, i, block_size);
         for (int64_t j = 0; j < num_q; j++) {
-            const float *v = values + KV_HEAD(j), *p = scores + j * len + i * block_size;
+            const int64_t v = values + KV_HEAD(j);
+            const float *p = scores + j * len + i * block_size;
             vfloat a[MAX_HEAD_DIM / LANES]; /* registers, when head_dim is a constant */
             for (int64_t c = 0; c < head_dim / LANES; c++) a[c] = load(acc + j * head_dim + c * LANES);
             for (int64_t t = 0; t < n; t++) {
                 if (j == 0) /* the first head's walk over the block brings the slots in for the others */
                     prefetch_position(value_cache, table, i * block_size + t + AHEAD, len, block_size, block_stride,
-                                      token_stride, head_offset, task_floats);
+                                      token_stride, head_offset, task_floats, bf16);
                 for (int64_t c = 0; c < head_dim / LANES; c++)
-                    a[c] += p[t] * load(v + t * token_stride + c * LANES);
+                    a[c] += p[t] * load_kv(value_cache, v + t * token_stride + c * LANES, bf16);
             }
             for (int64_t c = 0; c < head_dim / LANES; c++) store(acc + j * head_dim + c * LANES, a[c]);
         }
@@ -196,10 +217,11 @@ static inline __attribute__((always_inline)) void attend_task(
 #undef KV_HEAD
 }
 
-void paged_decode_attention(const float *q, const float *key_cache, const float *value_cache,
-                            const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t num_seqs,
-                            int64_t num_queries, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
-                            int64_t block_size, int64_t max_blocks, float scale) {
+/* Every task of a call, dealt over the cores; `bf16` (a constant in each entry point below) says the cache's type. */
+static inline __attribute__((always_inline)) void decode(
+    const float *q, const void *key_cache, const void *value_cache, const int64_t *block_tables,
+    const int64_t *seq_lens, float *out, int64_t num_seqs, int64_t num_queries, int64_t num_q_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, const int bf16) {
     /* Whole sequences per task when there are at least two per core; else one K/V head per task. */
     const int64_t heads_per_task = num_seqs >= 2 * omp_get_max_threads() ? num_kv_heads : 1;
     const int64_t tasks_per_seq = num_kv_heads / heads_per_task, group = num_q_heads / num_kv_heads;
@@ -207,7 +229,8 @@ void paged_decode_attention(const float *q, const float *key_cache, const float 
 #pragma omp parallel
     {
         float *workspace = malloc(sizeof(float) * task_q_heads * (max_blocks * block_size + 2 * head_dim));
-        float *scores = workspace, *qs = scores + task_q_heads * max_blocks * block_size, *acc = qs + task_q_heads * head_dim;
+        float *scores = workspace, *qs = scores + task_q_heads * max_blocks * block_size;
+        float *acc = qs + task_q_heads * head_dim;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < num_seqs * tasks_per_seq; task++) {
             const int64_t b = task / tasks_per_seq, h_begin = (task % tasks_per_seq) * heads_per_task;
@@ -217,14 +240,30 @@ void paged_decode_attention(const float *q, const float *key_cache, const float 
             float *ob = out + b * num_queries * num_q_heads * head_dim;
             if (head_dim == 64)
                 attend_task(qb, key_cache, value_cache, table, len, ob, num_queries, h_begin, h_end, num_q_heads,
-                            num_kv_heads, 64, block_size, scale, scores, qs, acc);
+                            num_kv_heads, 64, block_size, scale, scores, qs, acc, bf16);
             else if (head_dim == 128)
                 attend_task(qb, key_cache, value_cache, table, len, ob, num_queries, h_begin, h_end, num_q_heads,
-                            num_kv_heads, 128, block_size, scale, scores, qs, acc);
+                            num_kv_heads, 128, block_size, scale, scores, qs, acc, bf16);
             else
                 attend_task(qb, key_cache, value_cache, table, len, ob, num_queries, h_begin, h_end, num_q_heads,
-                            num_kv_heads, head_dim, block_size, scale, scores, qs, acc);
+                            num_kv_heads, head_dim, block_size, scale, scores, qs, acc, bf16);
         }
         free(workspace);
     }
+}
+
+void paged_decode_attention(const float *q, const float *key_cache, const float *value_cache,
+                            const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t num_seqs,
+                            int64_t num_queries, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+                            int64_t block_size, int64_t max_blocks, float scale) {
+    decode(q, key_cache, value_cache, block_tables, seq_lens, out, num_seqs, num_queries, num_q_heads, num_kv_heads,
+           head_dim, block_size, max_blocks, scale, 0);
+}
+
+void paged_decode_attention_bf16(const float *q, const uint16_t *key_cache, const uint16_t *value_cache,
+                                 const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t num_seqs,
+                                 int64_t num_queries, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+                                 int64_t block_size, int64_t max_blocks, float scale) {
+    decode(q, key_cache, value_cache, block_tables, seq_lens, out, num_seqs, num_queries, num_q_heads, num_kv_heads,
+           head_dim, block_size, max_blocks, scale, 1);
 }
