@@ -8,6 +8,7 @@
     python -m benchmarks.serving --json --save serving.json --plot serving.png   # also the JSON and a plot
     python -m benchmarks.serving --vllm-python VENV/bin/python                   # vLLM's CPU server beside it
     python -m benchmarks.serving --vllm-python VENV/bin/python --client vllm     # ...both driven by vLLM's client
+    python -m benchmarks.serving --vllm-python VENV/bin/python --client vllm --competitor   # on a shared machine
 
 The shape of vLLM's `benchmarks/benchmark_serving.py`: requests leave the client at Poisson arrival times
 (exponential gaps, seeded) whether or not earlier ones have finished, each streamed (`stream: true`) through the
@@ -77,6 +78,11 @@ command fails its version lookup, so its `main` is called from the venv's python
 (`--input-len` / `--output-len` token prompts and outputs, 128 each by default, `ignore_eos`, greedy) with Poisson
 arrivals at the same rates; `max_model_len` is then 2048 on both servers. vLLM's client ends a request's e2e at
 its last token, ours at the end of the stream (a few ms later); both define TTFT, TPOT and ITL alike.
+
+A shared machine (`--competitor`): a CPU-bound process, a Python busy loop pinned to the last CPU this process may
+use, runs from before the first server starts to after the last one stops, so every server and rate meets the same
+neighbour (`benchmarks/contention.py` times one request with and without it). Run the benchmark without it in the
+same sitting for the quiet figures.
 
 Goodput (DistServe's, as `vllm bench serve --goodput` computes it): the completed requests per second that met
 every service-level objective of `--goodput` (default `ttft:1000 tpot:100`, in ms: the first token within a
@@ -564,7 +570,8 @@ def comparison_table(result: dict) -> str:
     slo = " ".join(result["goodput_slo_ms"])
     header = (f"{'rate':>5} {'server':<17} {'fail':>4} {'req/s':>6} {'tok/s':>6} | {'TTFT p50/p99':>13} | "
               f"{'TPOT p50/p99':>13} | {'ITL p50/p99':>13} | {'E2E p50/p99':>13} | goodput ({slo})")
-    lines = [f"client: {result['client']}; latencies in ms", header, "-" * len(header)]
+    load = "quiet" if result.get("competitor_cpu") is None else f"a busy loop on CPU {result['competitor_cpu']}"
+    lines = [f"client: {result['client']}; machine load: {load}; latencies in ms", header, "-" * len(header)]
     by_server = servers_of(result)
     for rate in sorted({row["rate"] for rows in by_server.values() for row in rows}):
         for name, rows in by_server.items():
@@ -674,6 +681,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
     parser.add_argument("--vllm-startup-timeout", type=float, default=900.0,
                         help="seconds to wait for vLLM's server (it compiles the model first)")
+    parser.add_argument("--competitor", action="store_true",
+                        help="a busy loop pinned to the last usable CPU throughout the run (a shared machine)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--save", type=Path, help="also write the JSON object to this file")
     parser.add_argument("--plot", type=Path, help="also save the plot (PNG) here")
@@ -707,12 +716,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+@contextlib.contextmanager
+def competing(enabled: bool) -> Iterator[int | None]:
+    """With `enabled`, a busy loop on the last CPU this process may use, for the duration; yields that CPU."""
+    if not enabled:
+        yield None
+        return
+    from benchmarks.contention import busy_loop
+    from solutions.worker.cpu_threads import usable_cpus
+
+    cpu = usable_cpus()[-1]
+    process = busy_loop(cpu)
+    os.sched_setaffinity(process.pid, {cpu})  # pinned from its start (it pins itself too, once Python is up)
+    try:
+        yield cpu
+    finally:
+        process.kill()
+        process.wait(timeout=10)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from solutions.model.loader import load_tokenizer
 
     vocab_size = len(load_tokenizer(args.model))
-    result = run_fig12(args, vocab_size) if args.fig12 else run_serving(args, vocab_size)
+    with competing(args.competitor) as competitor_cpu:
+        result = run_fig12(args, vocab_size) if args.fig12 else run_serving(args, vocab_size)
+    result["competitor_cpu"] = competitor_cpu
     if args.plot:
         (plot_fig12 if args.fig12 else plot_serving)(result, args.plot)
     if args.save:

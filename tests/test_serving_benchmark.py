@@ -4,6 +4,7 @@ vLLM venv), the command line, the commands that start vLLM's server and client, 
 JSON, and the side-by-side table and plot."""
 
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -243,6 +244,50 @@ def test_comparison_table_puts_each_rates_servers_together():
     assert THIS_SERVER in lines[3] and VLLM_SERVER in lines[4]
     assert "100.0/ 300.0" in lines[4] and lines[4].endswith("1.50 req/s")  # vLLM's TTFT p50/p99 in ms, goodput
     assert lines[3].endswith("1.00 req/s")  # of 2 requests in 1 s, the slow one's TPOT (200 ms) missed the SLO
+
+
+def test_comparison_table_says_the_machines_load():
+    assert "machine load: quiet;" in comparison_table(serving_result()).splitlines()[0]
+    busy = comparison_table({**serving_result(), "competitor_cpu": 1}).splitlines()[0]
+    assert "machine load: a busy loop on CPU 1;" in busy
+
+
+def test_competitor_keeps_a_cpu_busy_for_the_run_and_stops_after():
+    """`--competitor`'s neighbour: a process pinned to the last usable CPU, burning it, gone once the run ends."""
+    import time
+
+    from benchmarks.serving import competing
+    from solutions.worker.cpu_threads import usable_cpus
+
+    with competing(False) as cpu:
+        assert cpu is None
+    with competing(True) as cpu:
+        assert cpu == usable_cpus()[-1]
+        children = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent_of(int(p)) == os.getpid()]
+        busy = [pid for pid in children if os.sched_getaffinity(pid) == {cpu}]
+        assert len(busy) == 1, f"one child pinned to CPU {cpu}, got {children}"
+        deadline = time.monotonic() + 10  # a loaded machine gives it less than its CPU: wait, bounded
+        while _cpu_seconds(busy[0]) < 0.5 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _cpu_seconds(busy[0]) >= 0.5, "the competitor burns its CPU"
+    time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{busy[0]}") or _state(busy[0]) == "Z", "the competitor is gone after the run"
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _state(pid: int) -> str:
+    return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_plot_serving_draws_both_servers(tmp_path):
