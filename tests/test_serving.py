@@ -269,7 +269,9 @@ def test_client_that_times_out_on_a_whole_response_frees_its_blocks(server):
         ({"stop": [""]}, 400, "stop"),
         ({"prompt": "word " * MAX_MODEL_LEN}, 400, "prompt"),
         ({"prompt": [1, 2, 10**9]}, 400, "prompt"),  # a token id outside the vocabulary
-        ({"prompt": ["one", "two"]}, 400, "prompt"),  # OpenAI's batch form: one prompt per request here
+        ({"prompt": []}, 400, "prompt"),  # no prompt in OpenAI's batch form
+        ({"prompt": ["one", ""]}, 400, "prompt"),  # an empty one among them
+        ({"max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),  # the prompt and max_tokens must fit in max_model_len
         ({"max_tokens": "many"}, 400, "max_tokens"),  # a field of the wrong type
         ({"max_tokens": 0}, 400, "max_tokens"),  # 0 only with echo
         ({"use_beam_search": True}, 400, "use_beam_search"),  # known, not implemented, not neutral
@@ -637,8 +639,8 @@ LONG_TEXT = "word " * SMALL_ENGINE["max_model_len"]  # 257 tokens: no room left 
         ("completions", {"prompt": LONG_TEXT, "stream": True}, "prompt", "max_model_len=256"),  # a 400, not a 200
         ("chat", {"messages": [{"role": "user", "content": LONG_TEXT}]}, "messages", "max_model_len=256"),
         ("completions", {"max_tokens": 250}, "max_tokens", "num_kv_blocks=12"),  # 16 blocks for one sequence
-        ("chat", {"max_tokens": 250}, "max_tokens", "num_kv_blocks=12"),
-        ("chat", {"max_completion_tokens": 250}, "max_completion_tokens", "num_kv_blocks=12"),
+        ("chat", {"max_tokens": 220}, "max_tokens", "num_kv_blocks=12"),  # the chat prompt has 34 tokens
+        ("chat", {"max_completion_tokens": 220}, "max_completion_tokens", "num_kv_blocks=12"),
         ("completions", {"n": 5}, "n", "max_num_seqs=4"),
         ("chat", {"n": 5, "max_tokens": 4, "stream": True}, "n", "max_num_seqs=4"),
         ("completions", {"top_p": 2}, "top_p", "top_p must be in (0, 1]"),

@@ -32,9 +32,13 @@ from solutions.exceptions import ParameterError
 from solutions.sampling_params import StructuredOutputsParams
 
 
-# JSON as `json.dumps(..., separators=(",", ":"))` writes it: no whitespace between tokens. With any whitespace
-# allowed (llguidance's and vLLM's default), a sampled output can spend its max_tokens on newlines.
-JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+# JSON with any whitespace between its tokens, as vLLM's guidance backend compiles it (`whitespace_flexible`, its
+# default unless `disable_any_whitespace`), and as a default only: a schema's own `x-guidance` options win. JSON
+# without whitespace forbids the layout the model writes of its own accord, and the mask then pushes it somewhere
+# worse: greedy SmolLM2-135M-Instruct asked for `{"type": "object"}` in chat ("Invent a person: give a name and an
+# age.") wrote `{"Alec":18,"Alec-18":18,...` until max_tokens under a grammar without whitespace, and
+# `{\n  "name": "Alejandro",\n  "age": 25\n}` (20 tokens, then the grammar is complete) under this one.
+JSON_DEFAULTS = {"whitespace_flexible": True}
 
 
 class GuidanceGrammar:
@@ -69,7 +73,7 @@ class GuidanceBackend:
             if kind in ("json", "json_object"):
                 schema = {"type": "object"} if kind == "json_object" else params.json
                 schema = json.loads(schema) if isinstance(schema, str) else schema
-                return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_FORMAT)
+                return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
             if kind == "regex":
                 return llguidance.LLMatcher.grammar_from_regex(params.regex)
             return llguidance.LLMatcher.grammar_from_lark(params.grammar)

@@ -3,7 +3,7 @@
 
     POST /v1/completions        serving_completion.py     GET /v1/models   the one model served
     POST /v1/chat/completions   serving_chat.py           GET /health      200, or 503 once the engine is dead
-                                                          GET /metrics     Prometheus text (solutions/metrics/)
+    POST /tokenize, /detokenize serving_tokenization.py   GET /metrics     Prometheus text (solutions/metrics/)
 
 One event loop serves every client: a handler only awaits (the engine's outputs, the client's connection, a
 worker thread that renders or tokenises), and the forward passes run in the engine core's own process or thread,
@@ -46,13 +46,16 @@ from solutions.engine.async_llm import AsyncLLM, EngineDeadError
 from solutions.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ModelCard,
     ModelList,
     RequestError,
+    TokenizeRequest,
 )
 from solutions.entrypoints.openai.serving_chat import OpenAIServingChat
 from solutions.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from solutions.entrypoints.openai.serving_engine import ClientDisconnected, error_response
+from solutions.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from solutions.model.loader import DEFAULT_MODEL
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client left first": logged, never seen by anyone
@@ -119,6 +122,7 @@ def build_app(engine: AsyncLLM, max_request_body_bytes: int = MAX_REQUEST_BODY_B
     app = FastAPI(title="paged-attention-from-scratch: OpenAI-compatible server")
     app.add_middleware(RequestBodyLimit, max_bytes=max_request_body_bytes)
     completions, chat = OpenAIServingCompletion(engine), OpenAIServingChat(engine)
+    tokenization = OpenAIServingTokenization(engine)
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
@@ -127,6 +131,14 @@ def build_app(engine: AsyncLLM, max_request_body_bytes: int = MAX_REQUEST_BODY_B
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create_chat_completion(request, raw_request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> Response:
+        return JSONResponse((await tokenization.tokenize(request)).model_dump())
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> Response:
+        return JSONResponse((await tokenization.detokenize(request)).model_dump())
 
     @app.get("/v1/models")
     async def show_models() -> Response:

@@ -230,7 +230,8 @@ class SamplingFields(OpenAIRequest):
         except ValueError as error:
             raise RequestError(f"{name}: {error}", param=name) from error
 
-    def _requested_max_tokens(self) -> int | None:
+    def requested_max_tokens(self) -> int | None:
+        """The request's own limit on generated tokens (None: fill the context)."""
         raise NotImplementedError
 
     def _num_logprobs(self) -> int | None:
@@ -243,7 +244,7 @@ class SamplingFields(OpenAIRequest):
         unset `max_tokens`. A bad value raises `RequestError` naming the request's field.
         """
         self.refuse_unsupported()
-        max_tokens = self._requested_max_tokens()
+        max_tokens = self.requested_max_tokens()
         structured_outputs = self.structured_outputs_params()
         extensions = self.sampler_extensions()
         try:
@@ -303,7 +304,7 @@ class CompletionRequest(SamplingFields):
     def echo_without_generation(self) -> bool:
         return self.echo and self.max_tokens == 0
 
-    def _requested_max_tokens(self) -> int | None:
+    def requested_max_tokens(self) -> int | None:
         return 1 if self.echo_without_generation else self.max_tokens
 
     def sampler_extensions(self) -> dict[str, Any]:
@@ -316,17 +317,22 @@ class CompletionRequest(SamplingFields):
     def _num_logprobs(self) -> int | None:
         return self.logprobs
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request (this server takes one per request; OpenAI's batch form is refused)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one (a string, or a list of token ids) or OpenAI's batch form, a list of strings
+        or of token-id lists. Each becomes its own engine request; choice `i * n + j` is prompt i's sample j."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise RequestError(f"prompt must be one prompt (a string or a list of token ids), got a list of "
-                                   f"{len(prompt)} prompts; send one request per prompt", param="prompt")
-            prompt = prompt[0]
-        if not prompt:
-            raise RequestError("prompt must not be empty", param="prompt")
-        return prompt
+        if isinstance(prompt, str) or (prompt and not isinstance(prompt[0], str | list)):
+            prompts = [prompt]  # one string, or one list of token ids
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise RequestError("prompt must not be empty: give a string, a list of token ids, or a list of those",
+                               param="prompt")
+        for index, one in enumerate(prompts):
+            if not one:
+                where = "" if len(prompts) == 1 and prompts[0] is prompt else f"[{index}]"
+                raise RequestError(f"prompt{where} must not be empty", param="prompt")
+        return prompts
 
 
 class TextContentPart(OpenAIRequest):
@@ -363,6 +369,14 @@ class ChatMessageParam(OpenAIRequest):
         return message | {key: value for key, value in given.items() if value is not None}
 
 
+def one_way_to_end_the_prompt(continue_final_message: bool, info: ValidationInfo) -> bool:
+    """`continue_final_message` and `add_generation_prompt` end the prompt in two different places: one at most."""
+    if continue_final_message and info.data.get("add_generation_prompt"):
+        raise ValueError("continue_final_message needs add_generation_prompt: false (the prompt ends in the "
+                         "last message, not where a new assistant message begins)")
+    return continue_final_message
+
+
 class ChatCompletionRequest(SamplingFields):
     """`POST /v1/chat/completions`. No `max_tokens` (or `max_completion_tokens`, its newer name) fills the context.
 
@@ -396,7 +410,7 @@ class ChatCompletionRequest(SamplingFields):
             return "max_completion_tokens"
         return {"logprobs": "top_logprobs"}.get(sampling_field) or super().request_field(sampling_field)
 
-    def _requested_max_tokens(self) -> int | None:
+    def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def _num_logprobs(self) -> int | None:
@@ -405,13 +419,48 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("continue_final_message")
     @classmethod
     def _one_way_to_end_the_prompt(cls, value: bool, info: ValidationInfo) -> bool:
-        if value and info.data.get("add_generation_prompt"):
-            raise ValueError("continue_final_message needs add_generation_prompt: false (the prompt ends in the "
-                             "last message, not where a new assistant message begins)")
-        return value
+        return one_way_to_end_the_prompt(value, info)
 
     def conversation(self) -> list[dict[str, Any]]:
         return [message.for_template() for message in self.messages]
+
+
+class TokenizeRequest(OpenAIRequest):
+    """`POST /tokenize` (vLLM's): a text (`prompt`) or a conversation (`messages`, rendered by the chat template as
+    the chat endpoint renders it), not both. `add_special_tokens` defaults as vLLM's: true for a text, false for a
+    conversation (the template writes them); `return_token_strs` adds each token's vocabulary entry."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageParam] | None = Field(default=None, min_length=1, validate_default=True)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+    @field_validator("messages")
+    @classmethod
+    def _prompt_or_messages(
+        cls, value: list[ChatMessageParam] | None, info: ValidationInfo
+    ) -> list[ChatMessageParam] | None:
+        if (value is None) == (info.data.get("prompt") is None):
+            raise ValueError("give prompt (a text) or messages (a conversation): exactly one of them")
+        return value
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _one_way_to_end_the_prompt(cls, value: bool, info: ValidationInfo) -> bool:
+        return one_way_to_end_the_prompt(value, info)
+
+    def conversation(self) -> list[dict[str, Any]]:
+        return [message.for_template() for message in self.messages or []]
+
+
+class DetokenizeRequest(OpenAIRequest):
+    """`POST /detokenize` (vLLM's): token ids in, their text out."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 # ---- responses ----
@@ -537,6 +586,17 @@ class ChatCompletionChunk(OpenAIResponse):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(OpenAIResponse):

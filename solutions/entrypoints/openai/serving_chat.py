@@ -11,11 +11,12 @@ Where this lives in vLLM: `vllm/entrypoints/openai/serving_chat.py` (`OpenAIServ
 """
 
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi import Request
 from jinja2 import TemplateError
 from starlette.responses import Response
+from transformers import PreTrainedTokenizerBase
 
 from solutions.entrypoints.openai.protocol import (
     ChatChoice,
@@ -29,6 +30,7 @@ from solutions.entrypoints.openai.protocol import (
     ChatStreamChoice,
     DeltaMessage,
     RequestError,
+    TokenizeRequest,
     UsageInfo,
 )
 from solutions.entrypoints.openai.serving_engine import (
@@ -58,36 +60,39 @@ def chat_logprobs(completion: CompletionOutput, num_top: int) -> ChatLogProbs:
     return ChatLogProbs(content=content)
 
 
+def render_conversation(
+    tokenizer: PreTrainedTokenizerBase | None, request: ChatCompletionRequest | TokenizeRequest
+) -> str:
+    """The request's conversation as one prompt string, through the model's chat template (the chat endpoint's,
+    and `/tokenize`'s for messages)."""
+    if tokenizer is None or not tokenizer.chat_template:
+        raise RequestError("messages need a chat template, and this model has none: use /v1/completions", "messages")
+    try:
+        return tokenizer.apply_chat_template(
+            request.conversation(), tokenize=False, add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+        )
+    except (TemplateError, ValueError) as error:  # the template's own checks, e.g. roles that must alternate;
+        # Hugging Face's, e.g. continue_final_message after a user message
+        raise RequestError(f"messages could not be formatted by the chat template: {error}", "messages") from error
+
+
 class OpenAIServingChat(OpenAIServing):
     prompt_field = "messages"
     request_id_prefix = "chatcmpl"
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_model(request)
-        prompt = await asyncio.to_thread(self.render_conversation, request)
-        return await self.generate_response(request, prompt, raw_request)
-
-    def render_conversation(self, request: ChatCompletionRequest) -> str:
-        """The conversation as one prompt string, through the model's chat template."""
-        if self.tokenizer is None or not self.tokenizer.chat_template:
-            raise RequestError(
-                "messages need a chat template, and this model has none: use /v1/completions", "messages"
-            )
-        try:
-            return self.tokenizer.apply_chat_template(
-                request.conversation(), tokenize=False, add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message,
-            )
-        except (TemplateError, ValueError) as error:  # the template's own checks, e.g. roles that must alternate;
-            # Hugging Face's, e.g. continue_final_message after a user message
-            raise RequestError(f"messages could not be formatted by the chat template: {error}", "messages") from error
+        prompt = await asyncio.to_thread(render_conversation, self.tokenizer, request)
+        return await self.generate_response(request, [prompt], raw_request)
 
     def logprobs(self, request: ChatCompletionRequest, completion: CompletionOutput) -> ChatLogProbs | None:
         return None if completion.logprobs is None else chat_logprobs(completion, request.top_logprobs or 0)
 
     def response(
-        self, request: ChatCompletionRequest, request_id: str, created: int, final: RequestOutput
+        self, request: ChatCompletionRequest, request_id: str, created: int, finals: list[RequestOutput]
     ) -> ChatCompletionResponse:
+        (final,) = finals  # a conversation is one prompt
         choices = [
             ChatChoice(
                 index=completion.index, message=ChatMessage(content=completion.text),
@@ -104,8 +109,8 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     def stream_events(
-        self, request: ChatCompletionRequest, request_id: str, created: int, first: RequestOutput,
-        outputs: AsyncGenerator[RequestOutput, None],
+        self, request: ChatCompletionRequest, request_id: str, created: int, firsts: list[RequestOutput],
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
     ) -> AsyncGenerator[str, None]:
         def chunk(choice: ChatStreamChoice | None, usage: UsageInfo | None = None) -> str:
             choices = [] if choice is None else [choice]
@@ -113,7 +118,7 @@ class OpenAIServingChat(OpenAIServing):
                 id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
             ))
 
-        def events(output: RequestOutput, usage: UsageInfo | None) -> list[str]:
+        def events(_: int, output: RequestOutput, usage: UsageInfo | None) -> list[str]:
             return [
                 chunk(ChatStreamChoice(
                     index=completion.index, delta=DeltaMessage(content=completion.text),
@@ -132,4 +137,4 @@ class OpenAIServingChat(OpenAIServing):
             for index in range(request.n)
         ]
         usage_event_if_asked = usage_event if request.include_usage else None
-        return sse_events(first, outputs, events, usage_event_if_asked, request.continuous_usage, opening=roles)
+        return sse_events(firsts, outputs, events, usage_event_if_asked, request.continuous_usage, opening=roles)

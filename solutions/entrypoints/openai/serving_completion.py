@@ -1,19 +1,25 @@
 """`POST /v1/completions`: a prompt (text or token ids) in, its continuation out, whole or streamed.
 
-Streamed, every engine output becomes one chunk per sample that moved (`choices[0].index` says which of the `n`
-samples), shaped like the whole response, with `usage` null (`stream_options.continuous_usage_stats`: the counts
-so far); `stream_options.include_usage` adds one last chunk with no choices and the token counts; `data: [DONE]`
-ends the stream.
+`prompt` may also be a list of prompts (OpenAI's batch form: texts, or token-id lists, as lm-evaluation-harness
+sends `batch_size` of them). Each becomes its own engine request, run side by side; their choices come in one
+response, choice `i * n + j` being prompt i's sample j (as OpenAI's and vLLM's), and `usage` sums them.
+
+Streamed, every engine output becomes one chunk per sample that moved (`choices[0].index` says which sample of
+which prompt), shaped like the whole response, with `usage` null (`stream_options.continuous_usage_stats`: its
+prompt's counts so far); `stream_options.include_usage` adds one last chunk with no choices and the token counts;
+`data: [DONE]` ends the stream.
 
 `echo` puts the prompt's text before each sample's text (in its first chunk, streamed) and, with `logprobs`, the
 prompt's logprobs before the sample's: the legacy format's parallel lists (`tokens`, `token_logprobs`,
 `top_logprobs`, `text_offset`), whose first entry has null logprobs — the first token is not predicted from
-anything. `echo` with `max_tokens: 0` answers the prompt alone (see `CompletionRequest`).
+anything. `echo` with `max_tokens: 0` answers the prompt alone (see `CompletionRequest`). A whole response's
+choices also carry vLLM's `prompt_logprobs` whenever the engine computed them: asked for by name, or by `echo`
+with `logprobs` (which asks for the prompt's logprobs, as vLLM's request does).
 
 Where this lives in vLLM: `vllm/entrypoints/openai/completion/serving.py` (`OpenAIServingCompletion`).
 """
 
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 from fastapi import Request
 from starlette.responses import Response
@@ -43,7 +49,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         self.check_model(request)
-        return await self.generate_response(request, request.single_prompt(), raw_request)
+        return await self.generate_response(request, request.prompts(), raw_request)
 
     def completion_logprobs(
         self, token_ids: Sequence[int], entries: Sequence[dict[int, Logprob] | None], text_offset: int
@@ -73,10 +79,11 @@ class OpenAIServingCompletion(OpenAIServing):
         return self.tokenizer.decode(output.prompt_token_ids) if self.tokenizer else ""
 
     def choice(
-        self, request: CompletionRequest, completion: CompletionOutput, text_offset: int, echo: RequestOutput | None
+        self, request: CompletionRequest, index: int, completion: CompletionOutput, text_offset: int,
+        echo: RequestOutput | None,
     ) -> CompletionChoice:
-        """One sample's choice; `echo`: the request's first output, whose prompt goes first (or alone, when the
-        request asked for no generation: its one generated token is dropped)."""
+        """One sample's choice, numbered `index` in the response; `echo`: its prompt's first output, whose prompt
+        goes first (or alone, when the request asked for no generation: its one generated token is dropped)."""
         text, token_ids, entries = completion.text, completion.token_ids, completion.logprobs
         if echo is not None:
             if request.echo_without_generation:
@@ -87,44 +94,54 @@ class OpenAIServingCompletion(OpenAIServing):
             token_ids = [*echo.prompt_token_ids, *token_ids]
         logprobs = None if entries is None else self.completion_logprobs(token_ids, entries, text_offset)
         return CompletionChoice(
-            index=completion.index, text=text, logprobs=logprobs,
+            index=index, text=text, logprobs=logprobs,
             finish_reason=finish_reason_of(completion), stop_reason=completion.stop_reason,
         )
 
     def response(
-        self, request: CompletionRequest, request_id: str, created: int, final: RequestOutput
+        self, request: CompletionRequest, request_id: str, created: int, finals: list[RequestOutput]
     ) -> CompletionResponse:
-        choices = [self.choice(request, completion, 0, final if request.echo else None) for completion in final.outputs]
-        if request.prompt_logprobs is not None:  # vLLM's extension, asked for by name
-            for choice in choices:
+        choices = []
+        for prompt_index, final in enumerate(finals):
+            for completion in final.outputs:
+                choice = self.choice(
+                    request, prompt_index * request.n + completion.index, completion, 0,
+                    final if request.echo else None,
+                )
+                # vLLM's extension: its prompt's logprobs, whenever the engine computed them (asked for by name,
+                # or by echo with logprobs)
                 choice.prompt_logprobs = final.prompt_logprobs
-        num_generated = sum(len(completion.token_ids) for completion in final.outputs)
+                choices.append(choice)
+        num_prompt = sum(len(final.prompt_token_ids) for final in finals)
+        num_generated = sum(len(completion.token_ids) for final in finals for completion in final.outputs)
         return CompletionResponse(
             id=request_id, created=created, model=self.model_name, choices=choices,
-            usage=usage_of(len(final.prompt_token_ids), num_generated),
+            usage=usage_of(num_prompt, num_generated),
         )
 
     def stream_events(
-        self, request: CompletionRequest, request_id: str, created: int, first: RequestOutput,
-        outputs: AsyncGenerator[RequestOutput, None],
+        self, request: CompletionRequest, request_id: str, created: int, firsts: list[RequestOutput],
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
     ) -> AsyncGenerator[str, None]:
-        text_offsets = [0] * request.n  # per sample: where its next token's text starts (for logprobs)
-        to_echo = set(range(request.n)) if request.echo else set()  # the samples whose prompt is still to be sent
+        num_choices = len(firsts) * request.n
+        text_offsets = [0] * num_choices  # per choice: where its next token's text starts (for logprobs)
+        to_echo = set(range(num_choices)) if request.echo else set()  # the choices whose prompt is still to be sent
 
         def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
             return sse_event(CompletionResponse(
                 id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
             ))
 
-        def events(output: RequestOutput, usage: UsageInfo | None) -> list[str]:
+        def events(prompt_index: int, output: RequestOutput, usage: UsageInfo | None) -> list[str]:
             chunks = []
             for completion in output.outputs:
                 if not completion.token_ids and completion.finish_reason is None:
                     continue
-                echo = first if completion.index in to_echo else None
-                to_echo.discard(completion.index)
-                choice = self.choice(request, completion, text_offsets[completion.index], echo)
-                text_offsets[completion.index] += sum(map(len, choice.logprobs.tokens)) if choice.logprobs else 0
+                index = prompt_index * request.n + completion.index
+                echo = firsts[prompt_index] if index in to_echo else None
+                to_echo.discard(index)
+                choice = self.choice(request, index, completion, text_offsets[index], echo)
+                text_offsets[index] += sum(map(len, choice.logprobs.tokens)) if choice.logprobs else 0
                 chunks.append(chunk([choice], usage))
             return chunks
 
@@ -132,5 +149,5 @@ class OpenAIServingCompletion(OpenAIServing):
             return chunk([], usage)
 
         return sse_events(
-            first, outputs, events, usage_event if request.include_usage else None, request.continuous_usage
+            firsts, outputs, events, usage_event if request.include_usage else None, request.continuous_usage
         )

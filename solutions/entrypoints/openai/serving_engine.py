@@ -2,9 +2,13 @@
 going away, and streaming over server-sent events.
 
 A request's life in the server: the body is parsed into a pydantic request (a bad type or a missing field is a
-400 naming it); the prompt is tokenised here, so `max_tokens` can default to the room left in the context; the
-request becomes `SamplingParams` (a bad value is a 400 naming the request's field); `AsyncLLM.generate` streams
-DELTA outputs, which the endpoint either forwards as SSE chunks (`stream: true`) or merges into one response.
+400 naming it); the prompt is tokenised here, so `max_tokens` can default to the room left in the context (and a
+`max_tokens` larger than that room is a 400 naming it, in vLLM's words); the request becomes `SamplingParams` (a
+bad value is a 400 naming the request's field); `AsyncLLM.generate` streams DELTA outputs, which the endpoint
+either forwards as SSE chunks (`stream: true`) or merges into one response. A completions request with a list of
+prompts is one engine request per prompt, all checked before any is queued, their outputs merged as they come
+(`merge_outputs`); the engine's refusal of one aborts the others. The engine's messages name a request by the id
+this server gave it, which the client never saw: the server drops it (`without_request_id`).
 The server always asks for DELTA outputs, even for a whole response: the engine's per-token outputs are what
 the front end times for the latency metrics.
 
@@ -29,7 +33,7 @@ import functools
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from http import HTTPStatus
 from typing import TypeVar
 
@@ -108,24 +112,66 @@ SSE_DONE = sse_event("[DONE]")  # OpenAI's end-of-stream marker
 
 
 async def sse_events(
-    first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None],
-    events: Callable[[RequestOutput, UsageInfo | None], list[str]], usage_event: Callable[[UsageInfo], str] | None,
+    firsts: Sequence[RequestOutput], outputs: AsyncIterator[tuple[int, RequestOutput]],
+    events: Callable[[int, RequestOutput, UsageInfo | None], list[str]], usage_event: Callable[[UsageInfo], str] | None,
     continuous_usage: bool = False, opening: Sequence[str] = (),
 ) -> AsyncGenerator[str, None]:
-    """A streamed response's events: `opening`, then `events(output, usage)` for `first` and every later output,
-    then (if asked) `usage_event(usage)`, then `data: [DONE]`. Each endpoint says how one output looks; `usage`
-    is the token counts so far with `continuous_usage` (vLLM's `continuous_usage_stats`), else None."""
+    """A streamed response's events: `opening`, then `events(i, output, usage)` for each prompt's first output
+    (`firsts[i]`) and every later `(i, output)`, then (if asked) `usage_event(usage)` with the counts summed over
+    the prompts, then `data: [DONE]`. Each endpoint says how one output looks; `usage` is prompt i's token counts
+    so far with `continuous_usage` (vLLM's `continuous_usage_stats`), else None."""
     for event in opening:
         yield event
-    num_prompt, num_generated, output = len(first.prompt_token_ids), 0, first
-    while output is not None:
-        num_generated += sum(len(completion.token_ids) for completion in output.outputs)
-        for event in events(output, usage_of(num_prompt, num_generated) if continuous_usage else None):
+    num_prompt = [len(first.prompt_token_ids) for first in firsts]
+    num_generated = [0] * len(firsts)
+
+    def output_events(i: int, output: RequestOutput) -> list[str]:
+        num_generated[i] += sum(len(completion.token_ids) for completion in output.outputs)
+        return events(i, output, usage_of(num_prompt[i], num_generated[i]) if continuous_usage else None)
+
+    for i, first in enumerate(firsts):
+        for event in output_events(i, first):
             yield event
-        output = await anext(outputs, None)
+    async for i, output in outputs:
+        for event in output_events(i, output):
+            yield event
     if usage_event is not None:
-        yield usage_event(usage_of(num_prompt, num_generated))
+        yield usage_event(usage_of(sum(num_prompt), sum(num_generated)))
     yield SSE_DONE
+
+
+async def merge_outputs(
+    generators: Sequence[AsyncGenerator[RequestOutput, None]],
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """The outputs of several requests as they come, each as `(index in generators, output)` (vLLM's
+    `merge_async_iterators`). Closing this closes them all, which aborts those still running; an error from one
+    ends it (and so, closed, all of them)."""
+    if len(generators) == 1:  # one prompt: no tasks between the client and the engine's outputs
+        try:
+            async for output in generators[0]:
+                yield 0, output
+        finally:
+            await generators[0].aclose()
+        return
+    pending = {asyncio.ensure_future(anext(generator)): i for i, generator in enumerate(generators)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                i = pending.pop(task)
+                try:
+                    output = task.result()
+                except StopAsyncIteration:
+                    continue  # request i has finished
+                pending[asyncio.ensure_future(anext(generators[i]))] = i
+                yield i, output
+    finally:
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)  # a generator being advanced cannot be closed
+        for generator in generators:
+            await generator.aclose()
 
 
 async def engine_errors_as_events(events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
@@ -138,6 +184,12 @@ async def engine_errors_as_events(events: AsyncGenerator[str, None]) -> AsyncGen
         yield SSE_DONE
     finally:
         await events.aclose()
+
+
+def without_request_id(message: str, request_id: str) -> str:
+    """An engine message as the client reads it: the engine names the request by the id this server made up for it
+    ("prompt of request 'cmpl-…' has…"), which means nothing to the client; the message is about its request."""
+    return message.replace(f" of request {request_id!r}", "").replace(f"request {request_id!r}", "the request")
 
 
 def usage_of(num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
@@ -198,6 +250,10 @@ class OpenAIServing(ABC):
         """The prompt as token ids, tokenised as `LLM.generate` does, in a worker thread; a text too long to fit
         is refused without tokenising it (`Processor.tokenize`). Token ids are checked by the processor later."""
         if not isinstance(prompt, str):
+            vocab_size = self.engine.processor.vocab_size
+            if (bad := next((t for t in prompt if not 0 <= t < vocab_size), None)) is not None:
+                raise RequestError(f"{self.prompt_field}: token id {bad} is out of vocabulary (this model's token ids "
+                                   f"lie in [0, {vocab_size}))", self.prompt_field)
             return prompt
         if self.tokenizer is None:
             raise RequestError(f"{self.prompt_field} must be token ids: this model has no tokenizer", self.prompt_field)
@@ -209,8 +265,18 @@ class OpenAIServing(ABC):
 
     def sampling_params(self, request: SamplingFields, prompt_token_ids: list[int]) -> SamplingParams:
         """The request's sampling parameters; an absent max_tokens fills the context (the processor refuses a
-        prompt that leaves no room)."""
-        return request.to_sampling_params(default_max_tokens=max(1, self.max_model_len - len(prompt_token_ids)))
+        prompt that leaves no room). A max_tokens that would run past `max_model_len` is refused, as vLLM's
+        server refuses it, rather than cut short: the prompt has n tokens, so at most `max_model_len - n` fit."""
+        num_prompt_tokens, max_tokens = len(prompt_token_ids), request.requested_max_tokens()
+        room = self.max_model_len - num_prompt_tokens
+        if max_tokens is not None and 0 < room < max_tokens:  # no room at all: the prompt is what is too long
+            raise RequestError(
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
+                f"length is {self.max_model_len} tokens and your request has {num_prompt_tokens} input tokens "
+                f"({max_tokens} > {self.max_model_len} - {num_prompt_tokens}).",
+                param=request.request_field("max_tokens"),
+            )
+        return request.to_sampling_params(default_max_tokens=max(1, room))
 
     async def outputs(
         self, request: SamplingFields, prompt_token_ids: list[int], params: SamplingParams, request_id: str
@@ -226,56 +292,94 @@ class OpenAIServing(ABC):
             # The message names the request's field too: prefixed where the engine calls it otherwise (chat's
             # "messages" for the prompt, "max_completion_tokens"; "StructuredOutputsParams.json" for any of them).
             renamed = param != error.parameter or error.parameter == "structured_outputs"
-            raise RequestError(f"{param}: {error}" if renamed else str(error), param=param) from error
+            message = without_request_id(str(error), request_id)
+            raise RequestError(f"{param}: {message}" if renamed else message, param=param) from error
         except ValueError as error:  # the engine core refused it (a safety net: the processor checks first)
-            raise RequestError(str(error)) from error
+            raise RequestError(without_request_id(str(error), request_id)) from error
         finally:
             await generator.aclose()
 
     async def generate_response(
-        self, request: SamplingFields, prompt: str | list[int], raw_request: Request
+        self, request: SamplingFields, prompts: Sequence[str | list[int]], raw_request: Request
     ) -> Response:
-        """Run one request through the engine and answer it: SSE chunks if it asked to stream, else one JSON.
-        The first (or merged) output carries the prompt's text, when it was given as text (as vLLM's does)."""
-        prompt_token_ids = await self.prompt_token_ids(prompt)
-        params = self.sampling_params(request, prompt_token_ids)
+        """Run the request's prompts through the engine, one engine request each, and answer: SSE chunks if it
+        asked to stream, else one JSON. Every prompt is tokenised and its parameters checked before any reaches
+        the engine; if the engine refuses one, the others are aborted. A prompt given as text is the `prompt` of
+        its first (or merged) output (as vLLM's)."""
+        prompt_token_ids = [await self.prompt_token_ids(prompt) for prompt in prompts]
+        params = [self.sampling_params(request, token_ids) for token_ids in prompt_token_ids]
         request_id, created = f"{self.request_id_prefix}-{uuid.uuid4().hex}", int(time.time())
-        outputs = self.outputs(request, prompt_token_ids, params, request_id)
-        prompt_text = prompt if isinstance(prompt, str) else None
+        # one prompt: the request's id; several: vLLM's `<id>-<prompt index>`
+        engine_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        generators = [
+            self.outputs(request, token_ids, one_params, engine_id)
+            for token_ids, one_params, engine_id in zip(prompt_token_ids, params, engine_ids, strict=True)
+        ]
+        texts = [prompt if isinstance(prompt, str) else None for prompt in prompts]
         if request.stream:
-            first = dataclasses.replace(await self.first_output(outputs, raw_request), prompt=prompt_text)
-            events = self.stream_events(request, request_id, created, first, outputs)
+            firsts = await self.first_outputs(generators, raw_request)
+            firsts = [dataclasses.replace(first, prompt=text) for first, text in zip(firsts, texts, strict=True)]
+            outputs = merge_outputs(generators)
+            events = self.stream_events(request, request_id, created, firsts, outputs)
             return ClosingStreamingResponse(engine_errors_as_events(events), outputs)
-        final = dataclasses.replace(await self.all_outputs(outputs, raw_request), prompt=prompt_text)
-        return JSONResponse(self.response(request, request_id, created, final).model_dump(mode="json"))
+        finals = await self.all_outputs(generators, raw_request)
+        finals = [dataclasses.replace(final, prompt=text) for final, text in zip(finals, texts, strict=True)]
+        return JSONResponse(self.response(request, request_id, created, finals).model_dump(mode="json"))
 
     @abstractmethod
-    def response(self, request: SamplingFields, request_id: str, created: int, final: RequestOutput) -> BaseModel:
-        """The whole response, from the request's merged outputs."""
+    def response(
+        self, request: SamplingFields, request_id: str, created: int, finals: list[RequestOutput]
+    ) -> BaseModel:
+        """The whole response, from each prompt's merged outputs."""
 
     @abstractmethod
     def stream_events(
-        self, request: SamplingFields, request_id: str, created: int, first: RequestOutput,
-        outputs: AsyncGenerator[RequestOutput, None],
+        self, request: SamplingFields, request_id: str, created: int, firsts: list[RequestOutput],
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
     ) -> AsyncGenerator[str, None]:
-        """The SSE events for `first` and every later output, then (if asked) usage, then `[DONE]`."""
+        """The SSE events for each prompt's first output and every later `(prompt index, output)`, then (if
+        asked) usage, then `[DONE]`."""
 
-    async def first_output(self, outputs: AsyncGenerator[RequestOutput, None], raw_request: Request) -> RequestOutput:
-        """Wait for a streamed request's first output before answering 200, so a request the engine refuses
-        still gets its 400 (and a client that leaves meanwhile, its abort)."""
+    async def first_outputs(
+        self, generators: Sequence[AsyncGenerator[RequestOutput, None]], raw_request: Request
+    ) -> list[RequestOutput]:
+        """Wait for a streamed request's first output of every prompt before answering 200, so a request the
+        engine refuses still gets its 400 (and the prompts it accepted, their abort; a client that leaves
+        meanwhile, its abort)."""
+
+        async def firsts() -> list[RequestOutput]:
+            results = await asyncio.gather(*(anext(generator) for generator in generators), return_exceptions=True)
+            if (error := next((r for r in results if isinstance(r, BaseException)), None)) is not None:
+                raise error
+            return results
+
         try:
-            return await until_disconnected(raw_request.receive, anext(outputs))
-        except ClientDisconnected:
-            await outputs.aclose()
+            return await until_disconnected(raw_request.receive, firsts())
+        except BaseException:
+            for generator in generators:
+                await generator.aclose()
             raise
 
-    async def all_outputs(self, outputs: AsyncGenerator[RequestOutput, None], raw_request: Request) -> RequestOutput:
-        """A whole response's outputs, merged; aborted if the client disconnects first."""
+    async def all_outputs(
+        self, generators: Sequence[AsyncGenerator[RequestOutput, None]], raw_request: Request
+    ) -> list[RequestOutput]:
+        """A whole response's outputs, merged per prompt; all aborted if the engine refuses one of them or the
+        client disconnects first."""
 
-        async def collect() -> list[RequestOutput]:
-            return [output async for output in outputs]
+        async def collect(generator: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
+            return functools.reduce(merge_delta, [output async for output in generator])
+
+        async def collect_all() -> list[RequestOutput]:
+            tasks = [asyncio.ensure_future(collect(generator)) for generator in generators]
+            try:
+                return list(await asyncio.gather(*tasks))
+            finally:  # one failed (or all are cancelled): stop the others before their generators are closed
+                for task in tasks:
+                    task.cancel()
+                await asyncio.wait(tasks)
 
         try:
-            return functools.reduce(merge_delta, await until_disconnected(raw_request.receive, collect()))
+            return await until_disconnected(raw_request.receive, collect_all())
         finally:
-            await outputs.aclose()
+            for generator in generators:
+                await generator.aclose()
