@@ -6,13 +6,15 @@
     python -m benchmarks.throughput --save chapters/05_continuous_batching/throughput_cpu.json
     python -m benchmarks.throughput --vllm-python VENV/bin/python --vllm-preload TCMALLOC:VENV/lib/libiomp5.so \
         --preload TCMALLOC     # every system on the allocator vLLM's CPU docs prescribe
+    python -m benchmarks.throughput --dtype bfloat16 --vllm-python VENV/bin/python   # every row in bf16
     python -m benchmarks.throughput --device cuda   # W64 on a GPU (prints "skipped: no GPU" and exits 0 without)
 
 Workload W64 (`benchmarks/w64.py`, drawn the same way for every system, vLLM included): 64 requests, prompts of
 random token ids with lengths uniform in [16, 256], outputs uniform in [16, 256], EOS ignored. Useful tokens =
 the requested output tokens; a baseline that generates more (a static batch runs to its longest request) gets no
-credit for the extra. Every system runs SmolLM2-135M in fp32 on this machine's cores, one after the other, so
-the ratios compare like with like:
+credit for the extra. Every system runs SmolLM2-135M in one dtype (`--dtype`: fp32 by default, or bf16, which a
+CPU with AVX512-BF16 or AMX multiplies in hardware) on this machine's cores, one after the other, so the ratios
+compare like with like:
 
 - engine, torch backend, eager:      chapter 5's engine (`LLM.generate`, max_num_seqs 64), as the chapters build it;
 - engine, inductor backend, eager:   the same with decode attention that reads the paged cache in place, and
@@ -31,7 +33,7 @@ The allocator is part of a CPU engine's speed. vLLM's CPU docs prescribe TCMallo
 malloc; `--preload` gives this benchmark's own rows the same, by running it again with `LD_PRELOAD` set (a
 library cannot replace malloc once the process runs). The table says which allocator each side ran on.
 
-The roofline: the machine's fp32 matmul rate bounds decode, since every generated token costs at least
+The roofline: the machine's matmul rate in the run's dtype bounds decode, since every generated token costs at least
 2 × (weights it multiplies) FLOPs. The rate is the best of three probes (a decode step's shape eagerly and
 pre-packed as the fast path runs it, and a 1024³ GEMM), each the best of five windows, at the start of the run and
 at its end: one probe in one window swung from 196 to 130 GFLOP/s between two sittings on the same machine type.
@@ -78,18 +80,20 @@ from benchmarks.w64 import draw_workload
 MODEL = "smollm2-135m"
 
 
-def matmul_gflops(m: int, k: int, n: int, packed: bool = False, windows: int = 5, seconds: float = 0.3) -> float:
-    """Measured fp32 matmul rate at (m×k)·(k×n), GFLOP/s: the best of `windows` timed windows, since a roofline is
-    the most the machine does (a window that another process slowed says nothing about the machine). `packed`: the
-    (k×n) weight pre-packed into oneDNN's blocked layout, as the fast path's frozen graph calls its linears."""
-    x = torch.randn(m, k)
+def matmul_gflops(m: int, k: int, n: int, packed: bool = False, windows: int = 5, seconds: float = 0.3,
+                  dtype: torch.dtype = torch.float32) -> float:
+    """Measured matmul rate in `dtype` at (m×k)·(k×n), GFLOP/s: the best of `windows` timed windows, since a
+    roofline is the most the machine does (a window that another process slowed says nothing about the machine).
+    `packed`: the (k×n) weight pre-packed into oneDNN's blocked layout, as the fast path's frozen graph calls its
+    linears."""
+    x = torch.randn(m, k, dtype=dtype)
     if packed:
-        weight = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k), None)
+        weight = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k, dtype=dtype), None)
 
         def matmul() -> torch.Tensor:
             return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
     else:
-        weight = torch.randn(k, n)
+        weight = torch.randn(k, n, dtype=dtype)
 
         def matmul() -> torch.Tensor:
             return x @ weight
@@ -105,12 +109,13 @@ def matmul_gflops(m: int, k: int, n: int, packed: bool = False, windows: int = 5
     return best
 
 
-def matmul_probes() -> dict[str, float]:
+def matmul_probes(dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """The matmul rates the roofline takes its peak from: a decode step's shape as PyTorch runs it eagerly and as
-    the fast path runs it (pre-packed), and a large square GEMM."""
-    probes = {"64x576x1536": matmul_gflops(64, 576, 1536), "1024x1024x1024": matmul_gflops(1024, 1024, 1024)}
+    the fast path runs it (pre-packed), and a large square GEMM, in `dtype`."""
+    probes = {"64x576x1536": matmul_gflops(64, 576, 1536, dtype=dtype),
+              "1024x1024x1024": matmul_gflops(1024, 1024, 1024, dtype=dtype)}
     if torch.backends.mkldnn.is_available():
-        probes["64x576x1536 pre-packed"] = matmul_gflops(64, 576, 1536, packed=True)
+        probes["64x576x1536 pre-packed"] = matmul_gflops(64, 576, 1536, packed=True, dtype=dtype)
     return probes
 
 
@@ -223,13 +228,13 @@ def preloaded(ld_preload: str | None) -> str:
     return ", ".join(Path(path).name for path in ld_preload.split(":")) if ld_preload else "none"
 
 
-def run_vllm(python: str, preload: str | None, num_requests: int, low: int, high: int) -> dict:
+def run_vllm(python: str, preload: str | None, num_requests: int, low: int, high: int, dtype: str) -> dict:
     """`benchmarks/vllm_cpu.py` in vLLM's venv, now: its tok/s and greedy tokens (the same draw of the workload)."""
     script = Path(__file__).with_name("vllm_cpu.py")
     dump = Path(os.environ.get("TMPDIR", "/tmp")) / "vllm_cpu_tokens.json"
     env = {**os.environ, **({"LD_PRELOAD": preload} if preload else {})}
     command = [python, str(script), "--requests", str(num_requests), "--low", str(low), "--high", str(high),
-               "--dump", str(dump)]
+               "--dtype", dtype, "--dump", str(dump)]
     run = subprocess.run(command, env=env, capture_output=True, text=True)
     found = re.search(r"vLLM-CPU W64: (\d+) useful tokens in ([\d.]+) s", run.stdout)
     if run.returncode != 0 or not found:
@@ -475,8 +480,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--save", type=Path, help="also write the JSON object to this file")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the GPU comparison (W64)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16",
-                        help="the GPU comparison's dtype (the CPU benchmark is float32)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="every row's dtype (default: float32 on the CPU, bfloat16 on a GPU; float16 GPU only)")
     parser.add_argument("--vllm-python", help="the python of a venv with vLLM's CPU build: adds its row (CPU only)")
     parser.add_argument("--vllm-preload", help="LD_PRELOAD for vLLM's run (its docs: tcmalloc, then libiomp5.so)")
     parser.add_argument("--preload", help="LD_PRELOAD for this benchmark's own rows (the engine, HF, chapter 3), "
@@ -488,8 +493,13 @@ def main() -> None:
         command = [sys.executable, "-m", "benchmarks.throughput", *sys.argv[1:]]
         os.execve(sys.executable, command, {**os.environ, "LD_PRELOAD": args.preload})
     if args.device == "cuda":
+        args.dtype = args.dtype or "bfloat16"
         cuda_main(args)
         return
+    args.dtype = args.dtype or "float32"
+    if args.dtype == "float16":
+        parser.error("--dtype float16 needs a GPU (--device cuda); on the CPU: float32 or bfloat16")
+    dtype = getattr(torch, args.dtype)
 
     from transformers import AutoModelForCausalLM
 
@@ -500,29 +510,30 @@ def main() -> None:
     num_requests, low, high = (16, 16, 64) if args.quick else (64, 16, 256)
     tokenizer = load_tokenizer(MODEL)
     prompts, output_lens = draw_workload(len(tokenizer), num_requests, low, high)
-    gflops = matmul_probes()  # again at the end: the best of both is the roofline's rate
+    gflops = matmul_probes(dtype)  # again at the end: the best of both is the roofline's rate
     stream = stream_gbytes_per_s()
     running, contexts = ([1, 8, 32, 64], [128, 512]) if not args.quick else ([1, 8], [64])
 
     # vLLM first, while this process holds no KV cache: under TCMalloc (--preload) the memory the rows below free
     # goes back to the OS only slowly, and vLLM's worker refuses to start without free memory for its own cache.
-    vllm = run_vllm(args.vllm_python, args.vllm_preload, num_requests, low, high) if args.vllm_python else None
+    vllm = (run_vllm(args.vllm_python, args.vllm_preload, num_requests, low, high, args.dtype) if args.vllm_python
+            else None)
     engines = {}
     for name, kwargs in ENGINES.items():
-        result = run_engine(prompts, output_lens, **kwargs)
+        result = run_engine(prompts, output_lens, dtype=args.dtype, **kwargs)
         if name in CURVES:
             result["step_cost_curve"] = step_cost_curve(result["llm"], running, contexts)
         model = result.pop("model")
         del result["llm"]
         engines[name] = result
     hf = AutoModelForCausalLM.from_pretrained(
-        resolve_model(MODEL), dtype=torch.float32, attn_implementation="eager"
+        resolve_model(MODEL), dtype=dtype, attn_implementation="eager"
     ).eval()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     hf_static = run_hf_generate(hf, prompts, output_lens, pad_id)
     hf_cb = run_hf_generate_batch(hf, prompts, output_lens)
     static_paged = run_static_paged(model, prompts, output_lens)
-    again = matmul_probes()
+    again = matmul_probes(dtype)
     gflops = {shape: max(rate, again[shape]) for shape, rate in gflops.items()}
 
     def tok_s(result: dict) -> float:
@@ -531,7 +542,7 @@ def main() -> None:
     peak = max(gflops.values())
     roofline_tok_s = peak * 1e9 / flops_per_token(model)
     prompt_lens = [len(p) for p in prompts]
-    kv_bytes = decode_kv_bytes(KVCache.bytes_per_block(model.config, 1), prompt_lens, output_lens)
+    kv_bytes = decode_kv_bytes(KVCache.bytes_per_block(model.config, 1, dtype), prompt_lens, output_lens)
     reference = engines[REFERENCE]
     fast = engines[FAST]
     systems = {name: tok_s(r) for name, r in engines.items()}
@@ -543,6 +554,7 @@ def main() -> None:
     breakdown = reference["breakdown"]
     step_total = sum(breakdown.values())
     summary = {
+        "dtype": args.dtype,
         "workload": {"requests": num_requests, "prompt_len": [low, high], "output_len": [low, high],
                      "prompt_tokens": sum(prompt_lens), "useful_tokens": sum(output_lens)},
         "systems": systems,
@@ -578,7 +590,7 @@ def main() -> None:
         print(json.dumps(summary))
         return
     print(f"workload: {num_requests} requests, prompts and outputs uniform in [{low}, {high}] tokens, "
-          f"{sum(output_lens)} useful output tokens; SmolLM2-135M fp32, {torch.get_num_threads()} threads; "
+          f"{sum(output_lens)} useful output tokens; SmolLM2-135M {args.dtype}, {torch.get_num_threads()} threads; "
           f"preload: {summary['preload']}\n")
     print(f"{'system':<48}{'tok/s':>8}{'× engine':>10}{'× fast':>8}")
     for name, value in systems.items():
@@ -591,7 +603,7 @@ def main() -> None:
               f"{agreement['identical_requests']} of {num_requests} requests identical (preload: {summary['vllm_preload']})")
     print(f"fast path's tokens equal the torch backend's: {summary['fast_tokens_equal_reference']}; "
           f"compile {summary['compile_seconds']:.0f} s at start-up (not in tok/s)")
-    print(f"\nmatmul fp32: {', '.join(f'{s} {g:.0f}' for s, g in gflops.items())} GFLOP/s; decode roofline "
+    print(f"\nmatmul {args.dtype}: {', '.join(f'{s} {g:.0f}' for s, g in gflops.items())} GFLOP/s; decode roofline "
           f"{roofline_tok_s:.0f} tok/s at {flops_per_token(model) / 1e9:.2f} GFLOP/token; engine at "
           f"{summary['roofline_fraction']:.0%} of it over the whole workload, the fast path at "
           f"{summary['fast_roofline_fraction']:.0%}")

