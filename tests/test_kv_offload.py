@@ -1,8 +1,9 @@
 """Chapter 11: the prefix cache's host tier keeps what the device evicts, and a later hit loads it back.
 
-Below the engine: `CPUOffloadingManager` on a real host `BlockPool` (LRU order, a known hash only refreshed, blocks
-a step uses never evicted in that step, loads only of held blocks) and `get_num_new_matched_tokens` (the leading
-run past the device's hits, never the last token, counted). In the engine: a prefix the device evicted is loaded
+Below the engine: `CPUOffloadingManager` and `prepare_store` on a real host `BlockPool` (LRU order, a known hash only
+refreshed, stores prepared after the step's loads are held, blocks a step uses never evicted in that step, `touch`
+only marking recency) and `get_num_new_matched_tokens` (the leading run past the device's hits, never the last token,
+counted, nothing held). In the engine: a prefix the device evicted is loaded
 from the host — fewer prefill tokens than without the tier, Hugging Face's tokens — and a prompt differing in one
 early token gets none of it. Then the Prometheus names of the tier's counters and of the swapped gauge.
 """
@@ -17,7 +18,7 @@ from grading.tiny_models import tiny_checkpoint
 from solutions import LLM, SamplingParams
 from solutions.attention.paged import KVCache
 from solutions.core.block_hash import extend_block_hashes
-from solutions.kv_offload.manager import CPUOffloadingManager, get_num_new_matched_tokens
+from solutions.kv_offload.manager import CPUOffloadingManager, get_num_new_matched_tokens, prepare_store
 from solutions.metrics.prometheus import PrometheusStatLogger
 from solutions.metrics.stats import SchedulerStats
 from solutions.model.config import ModelConfig as HFConfig
@@ -35,8 +36,7 @@ def host_of(offloading: CPUOffloadingManager, block_hash: bytes) -> int | None:
 
 def stored(offloading: CPUOffloadingManager, *block_hashes: bytes) -> None:
     """One step that stores these evicted blocks (device ids 100, 101, ...), then has run."""
-    for i, block_hash in enumerate(block_hashes):
-        offloading.prepare_store(100 + i, block_hash)
+    prepare_store(offloading, [(100 + i, block_hash) for i, block_hash in enumerate(block_hashes)])
     offloading.take_transfers()
     offloading.complete_transfers()
 
@@ -57,39 +57,50 @@ def test_storing_a_hash_the_host_holds_only_refreshes_it():
     offloading = CPUOffloadingManager(3)
     stored(offloading, b"a", b"b", b"c")
     block_a = host_of(offloading, b"a")
-    offloading.prepare_store(7, b"a")
+    prepare_store(offloading, [(7, b"a")])
     assert offloading.take_transfers() == ([], []), "no copy: the host has it"
     assert host_of(offloading, b"a") == block_a and offloading.stats.num_blocks_stored == 3
     stored(offloading, b"d")  # evicts b, now the least recently used
     assert host_of(offloading, b"b") is None and host_of(offloading, b"a") == block_a
 
 
+def test_evictions_are_stored_when_the_step_is_decided_after_its_loads_are_held():
+    offloading = CPUOffloadingManager(2)
+    stored(offloading, b"a", b"b")
+    offloading.on_evict(10, b"c")  # the device evicts a block while the step is being scheduled
+    assert host_of(offloading, b"c") is None, "nothing is stored before the step's loads are known"
+    offloading.prepare_load([b"a"], [5])  # a hit loaded this step: held
+    stores, loads = offloading.take_transfers()
+    assert stores == [(10, host_of(offloading, b"c"))] and host_of(offloading, b"b") is None, "b's block, not a's"
+    assert loads == [(host_of(offloading, b"a"), 5)]
+    offloading.complete_transfers()
+    assert all(block.ref_cnt == 0 for block in offloading.host_pool.blocks)
+
+
 def test_blocks_a_step_uses_are_not_evicted_in_that_step_and_stores_are_dropped_when_all_are_held():
     offloading = CPUOffloadingManager(2)
-    offloading.prepare_store(10, b"a")
-    offloading.prepare_store(11, b"b")
-    offloading.prepare_store(12, b"c")  # both host blocks are being written this step
+    prepare_store(offloading, [(10, b"a"), (11, b"b"), (12, b"c")])  # both host blocks are being written this step
     stores, loads = offloading.take_transfers()
     assert [device for device, _ in stores] == [10, 11] and loads == []
     assert host_of(offloading, b"c") is None and host_of(offloading, b"a") is not None
     offloading.complete_transfers()
     assert all(block.ref_cnt == 0 for block in offloading.host_pool.blocks)
 
-    offloading.touch([b"a"])  # a hit this step: held, so the next store takes b's block
-    offloading.prepare_store(13, b"c")
-    assert host_of(offloading, b"b") is None and host_of(offloading, b"a") is not None
 
-
-def test_prepare_load_needs_a_touch_and_pairs_host_blocks_with_device_blocks():
-    offloading = CPUOffloadingManager(4)
-    stored(offloading, b"a", b"b")
-    with pytest.raises(RuntimeError, match="touch"):
-        offloading.prepare_load([b"a"], [5])
+def test_touch_only_marks_recency_and_prepare_load_holds_until_the_step_has_run():
+    offloading = CPUOffloadingManager(3)
+    stored(offloading, b"a", b"b", b"c")
     with pytest.raises(RuntimeError, match="not on the host"):
         offloading.touch([b"z"])
-    offloading.touch([b"a", b"b"])
+    offloading.touch([b"a", b"b"])  # a prefix's run: a is the most recently used, then b
+    assert all(block.ref_cnt == 0 for block in offloading.host_pool.blocks), "touch holds nothing"
+    assert [b.block_hash for b in offloading.host_pool.free_block_queue.get_all_free_blocks()] == [b"c", b"b", b"a"]
+    with pytest.raises(RuntimeError, match="not on the host"):
+        offloading.prepare_load([b"z"], [5])
     offloading.prepare_load([b"a", b"b"], [5, 6])
-    assert offloading.take_transfers() == ([], [(host_of(offloading, b"a"), 5), (host_of(offloading, b"b"), 6)])
+    assert [host_of(offloading, h) for h in (b"a", b"b")] == [0, 1]
+    assert [offloading.host_pool.blocks[i].ref_cnt for i in (0, 1)] == [1, 1]
+    assert offloading.take_transfers() == ([], [(0, 5), (1, 6)])
     assert offloading.stats.num_blocks_loaded == 2
     offloading.complete_transfers()
     assert all(block.ref_cnt == 0 for block in offloading.host_pool.blocks)
@@ -119,9 +130,7 @@ def test_host_hits_are_the_leading_run_past_the_device_never_the_last_token(num_
     got = get_num_new_matched_tokens(offloading, hashes, num_tokens, device_hits, BLOCK_SIZE)
     assert got == expected
     assert offloading.stats.queries == num_tokens - device_hits and offloading.stats.hits == expected
-    first = device_hits // BLOCK_SIZE
-    held = [offloading.host_pool.get_cached_block(h).ref_cnt for h in hashes[first : first + expected // BLOCK_SIZE]]
-    assert held == [1] * (expected // BLOCK_SIZE), "the hits are held until the step has run"
+    assert all(block.ref_cnt == 0 for block in offloading.host_pool.blocks), "a lookup holds nothing"
 
 
 # --- in the engine ----------------------------------------------------------------------------------------------

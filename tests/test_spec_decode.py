@@ -1,6 +1,7 @@
 """Speculative decoding (n-gram drafts) in the engine: greedy output unchanged in every configuration the engine
-runs, the scheduler's hand-back of rejected drafts (rollback, freed blocks, prefix-cache hashes of verified tokens
-only), stops inside an accepted run, the target's logprobs, acceptance counts, and the refused combinations."""
+runs, the scheduler's admission of drafts (budget, max_model_len) and its hand-back of rejected ones (rollback,
+blocks kept, prefix-cache hashes of verified tokens only), stops inside an accepted run, the target's logprobs,
+acceptance counts, and the refused combinations."""
 
 import argparse
 
@@ -173,13 +174,15 @@ def test_logprobs_are_the_targets(smollm2_spec):
 
 
 def scheduler_with_drafts(
-    prompt: list[int], drafts: list[int], params: SamplingParams, budget: int = 64, block_size: int = 4
+    prompt: list[int], drafts: list[int], params: SamplingParams, budget: int = 64, block_size: int = 4,
+    max_model_len: int = 128,
 ):
     """A scheduler whose one sequence has computed `prompt`, sampled token 99 and was proposed `drafts`, then has
     been scheduled again with a token budget of `budget`: (scheduler, sequence, that step's SchedulerOutput)."""
     manager = KVCacheManager(num_blocks=16, block_size=block_size, enable_prefix_caching=True)
     scheduler = Scheduler(
-        manager, max_num_seqs=4, max_num_batched_tokens=64, long_prefill_token_threshold=64, max_model_len=128,
+        manager, max_num_seqs=4, max_num_batched_tokens=64, long_prefill_token_threshold=64,
+        max_model_len=max_model_len,
     )
     seq = Sequence(0, prompt)
     seq.request_id, seq.sampling_params = "r", params
@@ -211,7 +214,7 @@ def test_rejected_drafts_are_handed_back(num_accepted):
     assert outputs.outputs[0].new_token_ids == sampled
     assert seq.token_ids == [1, 2, 3, 4, 5, 99, *sampled]
     assert seq.num_computed_tokens == seq.num_tokens - 1, "rolled back by the rejected drafts, once"
-    assert len(seq.block_table) == cdiv(seq.num_tokens, 4), "blocks that held only rejected drafts are freed"
+    assert len(seq.block_table) == cdiv(6 + 4, 4), "blocks that held only rejected drafts stay for the next drafts"
     assert scheduler.kv_cache_manager.num_used_blocks == len(seq.block_table)
     pool = scheduler.kv_cache_manager.block_pool
     hashes: list[bytes] = []
@@ -233,17 +236,20 @@ def test_a_stop_token_inside_the_accepted_run_ends_it_and_frees_everything():
     outputs = scheduler.update_from_output(out, ModelRunnerOutput([0], [[6, 7, 8, 50]], [None]))
     (output,) = outputs.outputs
     assert output.new_token_ids == [6, 7] and output.finish_reason == FinishReason.STOP and output.stop_reason == 7
+    assert seq.num_computed_tokens == seq.num_tokens == 8, "the stop token was a draft: its K/V is computed"
     manager = scheduler.kv_cache_manager
     assert manager.num_used_blocks == 0
     cached = set(manager.block_pool.cached_block_hash_to_block)
     hashes: list[bytes] = []
     extend_block_hashes(hashes, seq.token_ids, seq.num_tokens, 4)
-    assert cached <= set(hashes), "no cached block holds a token the sequence did not keep"
+    assert cached == set(hashes), "both blocks, the second ending with the stop token, and no token it did not keep"
 
 
-def test_drafts_are_capped_by_max_tokens_and_the_budget():
+def test_drafts_are_capped_by_max_model_len_and_the_budget():
+    _, _, out = scheduler_with_drafts([1, 2, 3, 4, 5], [6, 7, 8, 9], SamplingParams(max_tokens=20), max_model_len=9)
+    assert out.scheduled_spec_decode_tokens == {0: [6, 7]}, "6 tokens, max_model_len 9: room for 2 drafts + one"
     _, _, out = scheduler_with_drafts([1, 2, 3, 4, 5], [6, 7, 8, 9], SamplingParams(max_tokens=3))
-    assert out.scheduled_spec_decode_tokens == {0: [6]}, "max_tokens=3: one output so far, room for one draft + one"
+    assert out.scheduled_spec_decode_tokens == {0: [6, 7, 8, 9]}, "max_tokens does not cap them (as in vLLM)"
     _, seq, out = scheduler_with_drafts([1, 2, 3, 4, 5], [6, 7, 8, 9], SamplingParams(max_tokens=20), budget=3)
     assert out.num_scheduled_tokens == [3] and out.scheduled_spec_decode_tokens == {0: [6, 7]}
     assert seq.num_computed_tokens == 6 + 2 and len(seq.block_table) == cdiv(6 + 2, 4)
@@ -267,7 +273,8 @@ def test_no_proposal_before_the_prompt_is_in_and_no_leak_after_many_rejections()
             if seq.num_computed_tokens < seq.num_tokens - 1:
                 assert seq.spec_token_ids == [], "no drafts while the prompt (or a recompute) is still going in"
             else:
-                assert cdiv(seq.num_computed_tokens, 4) <= len(seq.block_table) <= cdiv(seq.num_tokens, 4)
+                k = NGRAM["num_speculative_tokens"]  # blocks of rejected drafts stay for the next ones
+                assert cdiv(seq.num_computed_tokens, 4) <= len(seq.block_table) <= cdiv(seq.num_tokens - 1 + k, 4)
     stats = engine.stats
     assert stats.num_draft_tokens - stats.num_accepted_tokens > 500, "many rejections"
     assert sum(s.num_preemptions for s in stats.steps) > 0

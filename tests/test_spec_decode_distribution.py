@@ -3,8 +3,8 @@ a seeded request reproduces its tokens, alone or beside others.
 
 The prompt is a permutation of the tiny model's 256 tokens, so whatever the first output token, it occurred in the
 prompt and the n-gram proposer drafts the token that followed it there: every request's second output token is
-verified against a draft (the test checks the count). With max_tokens = 3 the second step may hold one draft
-(drafts are capped by the tokens left), so `num_draft_tokens` counts exactly the requests verified there.
+verified against drafts, and its third too when the second step accepted none (the test checks the count of
+sequences whose drafts were verified, `num_drafts`: between one and two per request).
 """
 
 from collections import Counter
@@ -58,12 +58,12 @@ def two_sample_p_value(first: Counter, second: Counter) -> float:
 
 def test_sampled_tokens_are_distributed_as_without_speculation(folder, speculative):
     plain = LLM(model=str(folder), **ENGINE)
-    seeds, drafts_before = range(N), speculative.llm_engine.stats.num_draft_tokens
+    seeds, drafts_before = range(N), speculative.llm_engine.stats.num_drafts
     ours = [o.outputs[0].token_ids for o in speculative.generate([PROMPT] * N, [params(s) for s in seeds])]
     # other seeds: two independent samples (with one seed, the first token is drawn identically by both engines)
     theirs = [o.outputs[0].token_ids for o in plain.generate([PROMPT] * N, [params(N + s) for s in seeds])]
-    verified = speculative.llm_engine.stats.num_draft_tokens - drafts_before
-    assert verified == N, "every request's second token was verified against a draft"
+    verified = speculative.llm_engine.stats.num_drafts - drafts_before
+    assert N <= verified <= 2 * N, "every request's second token was verified against drafts (its third, at most)"
     assert all(len(tokens) == 3 for tokens in ours + theirs)
     first_two = Counter(tuple(t[:2]) for t in ours), Counter(tuple(t[:2]) for t in theirs)
     p_value = two_sample_p_value(*first_two)

@@ -23,6 +23,7 @@ from solutions import LLM, SamplingParams
 from solutions.attention.paged import KVCache
 from solutions.core.block_pool import BlockPool
 from solutions.core.kv_cache_manager import KVCacheManager
+from solutions.core.sched.output import SchedulerOutput
 from solutions.core.sched.scheduler import Scheduler
 from solutions.core.sequence import Sequence, SequenceStatus
 from solutions.kv_offload.swap import num_group_blocks, swap_in, swap_out
@@ -207,6 +208,38 @@ def test_swap_out_copies_each_distinct_block_once_and_swap_in_restores_the_shari
     assert ref_cnts == [3, 3, 2] and device.blocks[group[1].block_table[2]].ref_cnt == 1
 
 
+def test_a_swapped_out_sequences_blocks_join_the_free_queue_last_block_first_and_stay_prefix_hits():
+    """Seen through the prefix cache: the freed blocks keep their hashes (a same-prefix prompt finds them all on the
+    device), and the last block is the first to be evicted, so the prefix's first blocks survive longest."""
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE, enable_prefix_caching=True)
+    seq = Sequence(0, list(range(12)))  # three full blocks, registered as they are computed
+    assert manager.allocate_slots(seq, 12) is not None
+    seq.num_computed_tokens = 12
+    table = list(seq.block_table)
+    swap_out(manager.block_pool, BlockPool(4), [seq])
+    assert [b.block_id for b in manager.block_pool.free_block_queue.get_all_free_blocks()[-3:]] == table[::-1]
+    newcomer = Sequence(1, list(range(12)) + [50])
+    assert manager.get_computed_blocks(newcomer)[1] == 12, "all three blocks are prefix hits on the device"
+    manager.block_pool.get_new_blocks(5 + 1)  # the 5 never-used blocks, then the first freed: the old last block
+    assert manager.get_computed_blocks(newcomer)[1] == 8, "the first two blocks are still cached"
+
+
+def test_preempting_a_group_by_recompute_queues_all_of_it_first_in_running_order():
+    manager = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE, enable_prefix_caching=False)
+    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=64,
+                          swap_pool=BlockPool(2))
+    group = forked_group(manager)
+    waiting = Sequence(9, [1, 2, 3])
+    scheduler.add_seq(waiting)
+    for seq in group:
+        scheduler.add_running(seq)
+    out = SchedulerOutput(num_computed_tokens=[])
+    assert scheduler._preempt_by_recompute(group, out, {}) == 0
+    assert [s.seq_id for s in scheduler.waiting] == [0, 1, 2, 9] and scheduler.running == []
+    assert all(s.status is SequenceStatus.PREEMPTED and s.num_computed_tokens == 0 for s in group)
+    assert manager.num_free_blocks == 16 and sorted(out.preempted_seq_ids) == [0, 1, 2]
+
+
 def test_swap_blocks_copies_the_pairs_in_every_layer_and_nothing_else():
     shape = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2, head_dim=4)
     src, dst = KVCache.allocate(shape, 6, BLOCK_SIZE), KVCache.allocate(shape, 5, BLOCK_SIZE)
@@ -270,7 +303,7 @@ def test_a_full_host_pool_falls_back_to_recomputation_with_the_same_tokens(num_h
 
 def test_a_group_too_large_to_come_back_is_recomputed_not_left_out():
     """Three samples that together outgrow the device pool: swapping their group out would leave it out for ever
-    (it could never come back whole), so the victim alone is recomputed, and the request finishes."""
+    (it could never come back whole), so the group is recomputed, and the request finishes."""
     model = "llama-gqa"
     folder = str(tiny_checkpoint(model))
     llm = LLM(folder, block_size=BLOCK_SIZE, num_kv_blocks=12, max_num_seqs=4, max_model_len=64,

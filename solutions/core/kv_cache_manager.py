@@ -72,7 +72,7 @@ class KVCacheManager(BlockManager):
         if not self.enable_prefix_caching:
             raise ValueError("the host tier keeps blocks by their prefix hash: it needs enable_prefix_caching=True")
         self.offloading = CPUOffloadingManager(num_host_blocks)
-        self.block_pool.on_evict = self.offloading.prepare_store
+        self.block_pool.on_evict = self.offloading.on_evict
 
     # sharing ------------------------------------------------------------------------------------------------------
 
@@ -227,13 +227,6 @@ class KVCacheManager(BlockManager):
         Nothing without prefix caching."""
         if self.enable_prefix_caching:
             self._cache_full_blocks(seq, first_block=start // self.block_size, num_tokens=num_tokens)
-
-    def free_unverified_blocks(self, seq: Sequence) -> None:
-        """After a speculative step: free `seq`'s blocks past its tokens — they held only rejected drafts, were
-        never registered, and the next step's drafts get fresh ones if they need them."""
-        num_needed = cdiv(seq.num_tokens, self.block_size)
-        self.block_pool.free_blocks(self.block_pool.blocks[b] for b in reversed(seq.block_table[num_needed:]))
-        del seq.block_table[num_needed:]
 
     def free_uncomputed_blocks(self, seq: Sequence) -> None:
         """Before `seq` is swapped out (chapter 11): free the blocks past its computed tokens (this step allocated them

@@ -76,43 +76,6 @@ class NgramProposesTheMatchItself(NgramProposer):
         return [] if found is None else tokens[found[1] : found[1] + self.k]
 
 
-# --- rejection_greedy_sample ----------------------------------------------------------------------------------------
-
-
-def greedy_accepts_the_first_mismatch(target_argmax: list[int], draft_token_ids: list[int]) -> list[int]:
-    """Keeps the draft at the first mismatch instead of replacing it with the target's token."""
-    accepted = 0
-    while accepted < len(draft_token_ids) and draft_token_ids[accepted] == target_argmax[accepted]:
-        accepted += 1
-    if accepted < len(draft_token_ids):
-        return draft_token_ids[: accepted + 1]
-    return draft_token_ids + [target_argmax[accepted]]
-
-
-def greedy_forgets_the_bonus_token(target_argmax: list[int], draft_token_ids: list[int]) -> list[int]:
-    """When every draft is accepted, returns the drafts alone: the bonus row's token is lost."""
-    accepted = 0
-    while accepted < len(draft_token_ids) and draft_token_ids[accepted] == target_argmax[accepted]:
-        accepted += 1
-    if accepted == len(draft_token_ids) and draft_token_ids:
-        return list(draft_token_ids)
-    return draft_token_ids[:accepted] + [target_argmax[accepted]]
-
-
-def greedy_keeps_matches_after_a_mismatch(target_argmax: list[int], draft_token_ids: list[int]) -> list[int]:
-    """Judges every draft on its own: a draft after a rejected one is kept when it equals the argmax there."""
-    kept = [t for t, want in zip(draft_token_ids, target_argmax, strict=False) if t == want]
-    return kept + [target_argmax[len(kept)]]
-
-
-def greedy_compares_with_the_next_row(target_argmax: list[int], draft_token_ids: list[int]) -> list[int]:
-    """Off by one: compares draft j with the target's choice at row j + 1 (the row that comes after it)."""
-    accepted = 0
-    while accepted < len(draft_token_ids) and draft_token_ids[accepted] == target_argmax[accepted + 1]:
-        accepted += 1
-    return draft_token_ids[:accepted] + [target_argmax[accepted]]
-
-
 # --- rejection_random_sample ----------------------------------------------------------------------------------------
 
 
@@ -182,56 +145,142 @@ def random_draws_only_what_it_needs(target_probs: torch.Tensor, draft_token_ids:
     return draft_token_ids[:accepted] + [final]
 
 
+def random_residual_not_renormalised(target_probs: torch.Tensor, draft_token_ids: list[int],
+                                     draft_probs: torch.Tensor | None, generator: torch.Generator | None) -> list[int]:
+    """Draws the replacement by an inverse CDF of max(0, p - q) written by hand, the uniform compared with the
+    residual's cumulative mass unscaled: the residual sums to less than 1, so a uniform past its total lands on the
+    last token with mass, which comes out too often."""
+    uniform = torch.rand(len(draft_token_ids) + 1, generator=generator)
+    accepted = _verdicts(target_probs, draft_token_ids, draft_probs, uniform)
+    weights = target_probs[accepted]
+    if accepted < len(draft_token_ids):
+        q_row = torch.zeros_like(weights) if draft_probs is None else draft_probs[accepted]
+        if draft_probs is None:
+            q_row[draft_token_ids[accepted]] = 1.0
+        weights = (weights - q_row).clamp(min=0.0)
+    last_with_mass = int(weights.nonzero().max())
+    final = min(int(torch.searchsorted(weights.cumsum(dim=-1), uniform[-1:], right=True)[0]), last_with_mass)
+    return draft_token_ids[:accepted] + [final]
+
+
+def random_draws_the_final_uniform_first(target_probs: torch.Tensor, draft_token_ids: list[int],
+                                         draft_probs: torch.Tensor | None,
+                                         generator: torch.Generator | None) -> list[int]:
+    """Takes the final token's uniform first and the accept tests' after it: the same k + 1 numbers and the same
+    distribution, but a seeded request draws other tokens than the rule says, and than the same request did before."""
+    drawn = torch.rand(len(draft_token_ids) + 1, generator=generator)
+    uniform = torch.cat([drawn[1:], drawn[:1]])  # the accept tests read drawn[1:], the final token drawn[0]
+    accepted = _verdicts(target_probs, draft_token_ids, draft_probs, uniform)
+    weights = target_probs[accepted]
+    if accepted < len(draft_token_ids):
+        q_row = torch.zeros_like(weights) if draft_probs is None else draft_probs[accepted]
+        if draft_probs is None:
+            q_row[draft_token_ids[accepted]] = 1.0
+        residual = (weights - q_row).clamp(min=0.0)
+        weights = residual if residual.sum() > 0 else weights
+    return draft_token_ids[:accepted] + [int(inverse_cdf(weights[None], uniform[-1:])[0])]
+
+
+# --- num_scheduled_spec_tokens --------------------------------------------------------------------------------------
+
+
+def admission_forgets_the_newest_token(seq: Sequence, token_budget: int, long_prefill_token_threshold: int,
+                                       max_model_len: int) -> int:
+    """Gives the drafts the whole budget left: with the newest token the step takes one token more than it has."""
+    room = min(token_budget, long_prefill_token_threshold, max_model_len - seq.num_tokens - 1)
+    return min(len(seq.spec_token_ids), room)
+
+
+def admission_ignores_max_model_len(seq: Sequence, token_budget: int, long_prefill_token_threshold: int,
+                                    max_model_len: int) -> int:
+    """Checks the budget only: drafts near the end of the context run past max_model_len."""
+    return min(len(seq.spec_token_ids), min(token_budget, long_prefill_token_threshold) - 1)
+
+
+def admission_forgets_the_token_verification_adds(seq: Sequence, token_budget: int,
+                                                  long_prefill_token_threshold: int, max_model_len: int) -> int:
+    """Lets the drafts fill the context up to max_model_len: with every draft accepted, the target's token after
+    them is one past it."""
+    room = min(min(token_budget, long_prefill_token_threshold) - 1, max_model_len - seq.num_tokens)
+    return min(len(seq.spec_token_ids), room)
+
+
+def admission_ignores_the_per_sequence_cap(seq: Sequence, token_budget: int, long_prefill_token_threshold: int,
+                                           max_model_len: int) -> int:
+    """Checks the step's budget but not long_prefill_token_threshold, the most tokens one sequence takes in a step."""
+    room = min(token_budget - 1, max_model_len - seq.num_tokens - 1)
+    return min(len(seq.spec_token_ids), room)
+
+
+def admission_counts_room_not_drafts(seq: Sequence, token_budget: int, long_prefill_token_threshold: int,
+                                     max_model_len: int) -> int:
+    """Returns the room the step has, not how many of the sequence's drafts fill it."""
+    return min(min(token_budget, long_prefill_token_threshold) - 1, max_model_len - seq.num_tokens - 1)
+
+
 # --- hand_back_rejected_drafts --------------------------------------------------------------------------------------
 
 
-def hand_back_rolls_back_twice(kv_cache_manager: KVCacheManager, seq: Sequence, start: int, num_drafts: int,
-                               num_sampled: int) -> None:
-    """Subtracts the rejected drafts from num_computed_tokens, then sets it to start + num_sampled minus them
-    again: verified tokens are recomputed for nothing."""
-    num_rejected = num_drafts + 1 - num_sampled
-    seq.num_computed_tokens = start + num_sampled - num_rejected
-    kv_cache_manager.free_unverified_blocks(seq)
-    kv_cache_manager.cache_blocks(seq, start, seq.num_computed_tokens)
-
-
-def hand_back_never_rolls_back(kv_cache_manager: KVCacheManager, seq: Sequence, start: int, num_drafts: int,
-                               num_sampled: int) -> None:
+def hand_back_never_rolls_back(kv_cache_manager: KVCacheManager, seq: Sequence, start: int, num_sampled: int) -> None:
     """Leaves num_computed_tokens where scheduling put it: the rejected drafts' K/V count as the sequence's."""
-    kv_cache_manager.free_unverified_blocks(seq)
-    kv_cache_manager.cache_blocks(seq, start, min(seq.num_computed_tokens, start + num_sampled))
+    kv_cache_manager.cache_blocks(seq, start, min(seq.num_computed_tokens, start + num_sampled, seq.num_tokens))
 
 
-def hand_back_never_frees(kv_cache_manager: KVCacheManager, seq: Sequence, start: int, num_drafts: int,
-                          num_sampled: int) -> None:
-    """Rolls back but keeps the blocks only rejected drafts used: they stay held until the sequence finishes."""
-    seq.num_computed_tokens -= num_drafts + 1 - num_sampled
+def hand_back_rolls_back_twice(kv_cache_manager: KVCacheManager, seq: Sequence, start: int, num_sampled: int) -> None:
+    """Subtracts the rejected drafts from start + num_sampled, a count that already leaves them out: verified
+    tokens are recomputed for nothing."""
+    num_rejected = seq.num_computed_tokens - start - num_sampled
+    seq.num_computed_tokens = min(start + num_sampled, seq.num_tokens) - num_rejected
     kv_cache_manager.cache_blocks(seq, start, seq.num_computed_tokens)
 
 
-def hand_back_hashes_the_drafted_range(kv_cache_manager: KVCacheManager, seq: Sequence, start: int, num_drafts: int,
+def hand_back_rolls_back_only_the_rejected(kv_cache_manager: KVCacheManager, seq: Sequence, start: int,
+                                           num_sampled: int) -> None:
+    """Subtracts the rejected drafts and nothing else: after a stop inside the accepted run it counts as computed
+    accepted drafts the sequence dropped, past its own tokens."""
+    seq.num_computed_tokens -= seq.num_computed_tokens - (start + num_sampled)
+    kv_cache_manager.cache_blocks(seq, start, min(seq.num_computed_tokens, seq.num_tokens))
+
+
+def hand_back_always_one_behind(kv_cache_manager: KVCacheManager, seq: Sequence, start: int, num_sampled: int) -> None:
+    """Leaves the newest token uncomputed whatever happened: right without a stop, but a stop that was an accepted
+    draft has its K/V, and the block it completed is never registered."""
+    seq.num_computed_tokens = seq.num_tokens - 1
+    kv_cache_manager.cache_blocks(seq, start, seq.num_computed_tokens)
+
+
+def hand_back_frees_the_draft_blocks(kv_cache_manager: KVCacheManager, seq: Sequence, start: int,
+                                     num_sampled: int) -> None:
+    """Frees the blocks past the sequence's tokens (they held only rejected drafts): they go to the free queue's
+    tail, and the next step's drafts take a block from its head, evicting a cached one."""
+    seq.num_computed_tokens = min(start + num_sampled, seq.num_tokens)
+    num_needed = -(-seq.num_tokens // kv_cache_manager.block_size)
+    pool = kv_cache_manager.block_pool
+    pool.free_blocks(pool.blocks[b] for b in reversed(seq.block_table[num_needed:]))
+    del seq.block_table[num_needed:]
+    kv_cache_manager.cache_blocks(seq, start, seq.num_computed_tokens)
+
+
+def hand_back_hashes_the_drafted_range(kv_cache_manager: KVCacheManager, seq: Sequence, start: int,
                                        num_sampled: int) -> None:
-    """Registers the blocks full within everything the step computed, start + 1 + num_drafts positions: a block
-    whose slots hold a rejected draft's K/V becomes a prefix-cache hit for the sequence's real tokens."""
-    seq.num_computed_tokens -= num_drafts + 1 - num_sampled
-    kv_cache_manager.free_unverified_blocks(seq)
-    kv_cache_manager.cache_blocks(seq, start, min(start + 1 + num_drafts, seq.num_tokens))
+    """Registers the blocks full within everything the step computed (or all the sequence's tokens, if fewer): a
+    block whose slots hold a rejected draft's K/V becomes a prefix-cache hit for the sequence's real tokens."""
+    scheduled = seq.num_computed_tokens
+    seq.num_computed_tokens = min(start + num_sampled, seq.num_tokens)
+    kv_cache_manager.cache_blocks(seq, start, min(scheduled, seq.num_tokens))
 
 
-def hand_back_hashes_the_newest_token(kv_cache_manager: KVCacheManager, seq: Sequence, start: int, num_drafts: int,
+def hand_back_hashes_the_newest_token(kv_cache_manager: KVCacheManager, seq: Sequence, start: int,
                                       num_sampled: int) -> None:
     """Registers the blocks full within all of the sequence's tokens, the newest included, whose K/V is computed
     only next step (its slot still holds a rejected draft's)."""
-    seq.num_computed_tokens -= num_drafts + 1 - num_sampled
-    kv_cache_manager.free_unverified_blocks(seq)
+    seq.num_computed_tokens = min(start + num_sampled, seq.num_tokens)
     kv_cache_manager.cache_blocks(seq, start, seq.num_tokens)
 
 
-def hand_back_never_caches(kv_cache_manager: KVCacheManager, seq: Sequence, start: int, num_drafts: int,
-                           num_sampled: int) -> None:
-    """Rolls back and frees, but registers nothing: the blocks accepted drafts filled never serve a prefix hit."""
-    seq.num_computed_tokens -= num_drafts + 1 - num_sampled
-    kv_cache_manager.free_unverified_blocks(seq)
+def hand_back_never_caches(kv_cache_manager: KVCacheManager, seq: Sequence, start: int, num_sampled: int) -> None:
+    """Rolls back but registers nothing: the blocks accepted drafts filled never serve a prefix hit."""
+    seq.num_computed_tokens = min(start + num_sampled, seq.num_tokens)
 
 
 MUTANTS = {
@@ -240,18 +289,25 @@ MUTANTS = {
     "ngram_shortest_suffix_first": {"NgramProposer": NgramShortestSuffixFirst},
     "ngram_ignores_prompt_lookup_min": {"NgramProposer": NgramIgnoresPromptLookupMin},
     "ngram_proposes_the_match_itself": {"NgramProposer": NgramProposesTheMatchItself},
-    "greedy_accepts_the_first_mismatch": {"rejection_greedy_sample": greedy_accepts_the_first_mismatch},
-    "greedy_forgets_the_bonus_token": {"rejection_greedy_sample": greedy_forgets_the_bonus_token},
-    "greedy_keeps_matches_after_a_mismatch": {"rejection_greedy_sample": greedy_keeps_matches_after_a_mismatch},
-    "greedy_compares_with_the_next_row": {"rejection_greedy_sample": greedy_compares_with_the_next_row},
     "random_resamples_from_p": {"rejection_random_sample": random_resamples_from_p},
     "random_forgets_the_bonus_token": {"rejection_random_sample": random_forgets_the_bonus_token},
     "random_uses_the_global_generator": {"rejection_random_sample": random_uses_the_global_generator},
     "random_keeps_the_rejected_draft": {"rejection_random_sample": random_keeps_the_rejected_draft},
     "random_draws_only_what_it_needs": {"rejection_random_sample": random_draws_only_what_it_needs},
-    "hand_back_rolls_back_twice": {"hand_back_rejected_drafts": hand_back_rolls_back_twice},
+    "random_residual_not_renormalised": {"rejection_random_sample": random_residual_not_renormalised},
+    "random_draws_the_final_uniform_first": {"rejection_random_sample": random_draws_the_final_uniform_first},
+    "admission_forgets_the_newest_token": {"num_scheduled_spec_tokens": admission_forgets_the_newest_token},
+    "admission_ignores_max_model_len": {"num_scheduled_spec_tokens": admission_ignores_max_model_len},
+    "admission_forgets_the_token_verification_adds": {
+        "num_scheduled_spec_tokens": admission_forgets_the_token_verification_adds
+    },
+    "admission_ignores_the_per_sequence_cap": {"num_scheduled_spec_tokens": admission_ignores_the_per_sequence_cap},
+    "admission_counts_room_not_drafts": {"num_scheduled_spec_tokens": admission_counts_room_not_drafts},
     "hand_back_never_rolls_back": {"hand_back_rejected_drafts": hand_back_never_rolls_back},
-    "hand_back_never_frees": {"hand_back_rejected_drafts": hand_back_never_frees},
+    "hand_back_rolls_back_twice": {"hand_back_rejected_drafts": hand_back_rolls_back_twice},
+    "hand_back_rolls_back_only_the_rejected": {"hand_back_rejected_drafts": hand_back_rolls_back_only_the_rejected},
+    "hand_back_always_one_behind": {"hand_back_rejected_drafts": hand_back_always_one_behind},
+    "hand_back_frees_the_draft_blocks": {"hand_back_rejected_drafts": hand_back_frees_the_draft_blocks},
     "hand_back_hashes_the_drafted_range": {"hand_back_rejected_drafts": hand_back_hashes_the_drafted_range},
     "hand_back_hashes_the_newest_token": {"hand_back_rejected_drafts": hand_back_hashes_the_newest_token},
     "hand_back_never_caches": {"hand_back_rejected_drafts": hand_back_never_caches},
@@ -260,7 +316,7 @@ MUTANTS = {
 # One mutant per exercise that must also break the capstone (the capstone runs every piece).
 CAPSTONE_MUTANTS = {
     "NgramProposer": "ngram_proposes_the_match_itself",
-    "rejection_greedy_sample": "greedy_accepts_the_first_mismatch",
     "rejection_random_sample": "random_keeps_the_rejected_draft",
+    "num_scheduled_spec_tokens": "admission_forgets_the_newest_token",
     "hand_back_rejected_drafts": "hand_back_never_rolls_back",
 }

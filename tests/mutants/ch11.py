@@ -1,252 +1,235 @@
 """Plausible wrong answers to chapter 11's exercises; each must fail at least one test of its exercise."""
 
-from solutions.core.block_pool import BlockPool, KVCacheBlock
 from solutions.core.sched.output import SchedulerOutput
-from solutions.core.sched.scheduler import SchedulerBase
+from solutions.core.sched.request_queue import SchedulingPolicy
+from solutions.core.sched.scheduler import PreemptionMode, SchedulerBase
 from solutions.core.sequence import Sequence
 from solutions.kv_offload.manager import CPUOffloadingManager
 from solutions.kv_offload.swap import num_group_blocks
 
-# --- swap_out -------------------------------------------------------------------------------------------------------
+# --- select_preemption ----------------------------------------------------------------------------------------------
 
 
-def swap_out_copies_shared_blocks_per_sample(device_pool: BlockPool, host_pool: BlockPool,
-                                             seqs: list[Sequence]) -> list[tuple[int, int]]:
-    """Each sequence's blocks copied on their own: a block three samples share is copied three times."""
-    pairs = []
-    for seq in seqs:
-        device_table = list(seq.block_table)
-        hosts = host_pool.get_new_blocks(len(device_table))
-        pairs += [(d, h.block_id) for d, h in zip(device_table, hosts, strict=True)]
-        seq.block_table[:] = [h.block_id for h in hosts]
-        device_pool.free_blocks(device_pool.blocks[b] for b in reversed(device_table))
-    return pairs
+def _victim(scheduler: SchedulerBase) -> Sequence:
+    if scheduler.policy is SchedulingPolicy.PRIORITY:
+        return max(scheduler.running, key=lambda s: (s.priority, s.arrival, s.seq_id))
+    return scheduler.running[-1]
 
 
-def swap_out_one_host_reference(device_pool: BlockPool, host_pool: BlockPool,
-                                seqs: list[Sequence]) -> list[tuple[int, int]]:
-    """Shares the host block but leaves its ref_cnt at 1, however many samples hold it."""
-    host_of: dict[int, KVCacheBlock] = {}
-    for seq in seqs:
-        device_table = list(seq.block_table)
-        for i, block_id in enumerate(device_table):
-            if block_id not in host_of:
-                (host_of[block_id],) = host_pool.get_new_blocks(1)
-            seq.block_table[i] = host_of[block_id].block_id
-        device_pool.free_blocks(device_pool.blocks[b] for b in reversed(device_table))
-    return [(d, h.block_id) for d, h in host_of.items()]
-
-
-def swap_out_keeps_the_device_blocks(device_pool: BlockPool, host_pool: BlockPool,
-                                     seqs: list[Sequence]) -> list[tuple[int, int]]:
-    """Copies and rewrites the tables, but never drops the group's references on the device."""
-    host_of: dict[int, KVCacheBlock] = {}
-    for seq in seqs:
-        for i, block_id in enumerate(seq.block_table):
-            if block_id in host_of:
-                host_of[block_id].ref_cnt += 1
-            else:
-                (host_of[block_id],) = host_pool.get_new_blocks(1)
-            seq.block_table[i] = host_of[block_id].block_id
-    return [(d, h.block_id) for d, h in host_of.items()]
-
-
-def swap_out_frees_each_device_block_once(device_pool: BlockPool, host_pool: BlockPool,
-                                          seqs: list[Sequence]) -> list[tuple[int, int]]:
-    """Drops one device reference per distinct block: a block the three samples shared stays held twice."""
-    host_of: dict[int, KVCacheBlock] = {}
-    for seq in seqs:
-        for i, block_id in enumerate(seq.block_table):
-            if block_id in host_of:
-                host_of[block_id].ref_cnt += 1
-            else:
-                (host_of[block_id],) = host_pool.get_new_blocks(1)
-            seq.block_table[i] = host_of[block_id].block_id
-    device_pool.free_blocks(device_pool.blocks[d] for d in reversed(list(host_of)))
-    return [(d, h.block_id) for d, h in host_of.items()]
-
-
-# --- swap_in --------------------------------------------------------------------------------------------------------
-
-
-def swap_in_drops_the_sharing(host_pool: BlockPool, device_pool: BlockPool,
-                              seqs: list[Sequence]) -> list[tuple[int, int]]:
-    """A fresh device block for every table entry: the samples come back with private copies of the prompt."""
-    pairs = []
-    for seq in seqs:
-        host_table = list(seq.block_table)
-        devices = device_pool.get_new_blocks(len(host_table))
-        pairs += [(h, d.block_id) for h, d in zip(host_table, devices, strict=True)]
-        seq.block_table[:] = [d.block_id for d in devices]
-        host_pool.free_blocks(host_pool.blocks[b] for b in reversed(host_table))
-    return pairs
-
-
-def swap_in_keyed_by_position(host_pool: BlockPool, device_pool: BlockPool,
-                              seqs: list[Sequence]) -> list[tuple[int, int]]:
-    """Shares by position in the table, not by host block: the samples' different last blocks all come back into
-    the same device block, written three times."""
-    device_at: dict[int, KVCacheBlock] = {}
-    pairs = []
-    for seq in seqs:
-        host_table = list(seq.block_table)
-        for i, block_id in enumerate(host_table):
-            if i in device_at:
-                device_at[i].ref_cnt += 1
-            else:
-                (device_at[i],) = device_pool.get_new_blocks(1)
-            pairs.append((block_id, device_at[i].block_id))
-            seq.block_table[i] = device_at[i].block_id
-        host_pool.free_blocks(host_pool.blocks[b] for b in reversed(host_table))
-    return list(dict.fromkeys(pairs))
-
-
-def swap_in_one_device_reference(host_pool: BlockPool, device_pool: BlockPool,
-                                 seqs: list[Sequence]) -> list[tuple[int, int]]:
-    """Shares the device block but leaves its ref_cnt at 1: the first sample to finish frees it under the others."""
-    device_of: dict[int, KVCacheBlock] = {}
-    for seq in seqs:
-        host_table = list(seq.block_table)
-        for i, block_id in enumerate(host_table):
-            if block_id not in device_of:
-                (device_of[block_id],) = device_pool.get_new_blocks(1)
-            seq.block_table[i] = device_of[block_id].block_id
-        host_pool.free_blocks(host_pool.blocks[b] for b in reversed(host_table))
-    return [(h, d.block_id) for h, d in device_of.items()]
-
-
-def swap_in_keeps_the_host_blocks(host_pool: BlockPool, device_pool: BlockPool,
-                                  seqs: list[Sequence]) -> list[tuple[int, int]]:
-    """Copies back and rewrites the tables, but never frees the host blocks: the swap pool leaks until full."""
-    device_of: dict[int, KVCacheBlock] = {}
-    for seq in seqs:
-        for i, block_id in enumerate(seq.block_table):
-            if block_id in device_of:
-                device_of[block_id].ref_cnt += 1
-            else:
-                (device_of[block_id],) = device_pool.get_new_blocks(1)
-            seq.block_table[i] = device_of[block_id].block_id
-    return [(h, d.block_id) for h, d in device_of.items()]
-
-
-# --- preempt_group ----------------------------------------------------------------------------------------------------
-
-
-def _recompute(scheduler: SchedulerBase, victim: Sequence, out: SchedulerOutput,
-               copies: dict[int, list[tuple[int, int]]]) -> int:
-    returned = scheduler._remove_from_batch(out, victim, copies) if victim in out.scheduled_seqs else 0
-    scheduler._preempt_request(victim, out)
-    return returned
-
-
-def _swap_group(scheduler: SchedulerBase, group: list[Sequence], out: SchedulerOutput,
-                copies: dict[int, list[tuple[int, int]]], *, read_from: bool = True,
-                hand_back: bool = True, free_uncomputed: bool = True) -> int:
-    returned, sources = 0, {}
-    for seq in group:
-        if seq in out.scheduled_seqs:
-            if read_from:
-                sources.update((dst, src) for src, dst in copies.get(seq.seq_id, []))
-            returned += scheduler._remove_from_batch(out, seq, copies)
-        if free_uncomputed:
-            scheduler.kv_cache_manager.free_uncomputed_blocks(seq)
-    scheduler._swap_out(group, out, sources)
-    return returned if hand_back else 0
-
-
-def _fits(scheduler: SchedulerBase, group: list[Sequence]) -> bool:
+def _mode(scheduler: SchedulerBase, group: list[Sequence], *, host: int | None = None, way_back: int = 0,
+          check_way_back: bool = True) -> PreemptionMode:
     num_blocks = num_group_blocks(group)
-    return (num_blocks <= scheduler.swap_pool.num_free_blocks
-            and num_blocks + len(group) <= scheduler.kv_cache_manager.num_blocks)
+    host = scheduler.swap_pool.num_free_blocks if host is None else host
+    fits = num_blocks <= host and (not check_way_back
+                                   or num_blocks + len(group) + way_back <= scheduler.kv_cache_manager.num_blocks)
+    return PreemptionMode.SWAP if fits else PreemptionMode.RECOMPUTE
 
 
-def preempt_group_never_checks_the_host(scheduler: SchedulerBase, victim: Sequence, out: SchedulerOutput,
-                                        copies: dict[int, list[tuple[int, int]]]) -> int:
-    """Always swaps, whether or not the host pool has room (or the group could ever come back)."""
-    return _swap_group(scheduler, scheduler.group_of(victim), out, copies)
+def select_preemption_first_started(scheduler: SchedulerBase) -> tuple[list[Sequence], PreemptionMode]:
+    """Takes the victim from the wrong end: the sequence that started first, which has waited longest."""
+    group = scheduler.group_of(scheduler.running[0])
+    return group, _mode(scheduler, group)
 
 
-def preempt_group_checks_the_device_pool(scheduler: SchedulerBase, victim: Sequence, out: SchedulerOutput,
-                                         copies: dict[int, list[tuple[int, int]]]) -> int:
-    """Looks for room in the wrong pool: the device's free blocks, which a preemption finds all but exhausted, so the
-    group is nearly always recomputed (and swapped into a full host pool when the device happens to have room)."""
-    group = scheduler.group_of(victim)
-    if num_group_blocks(group) > scheduler.kv_cache_manager.num_free_blocks:
-        return _recompute(scheduler, victim, out, copies)
-    return _swap_group(scheduler, group, out, copies)
+def select_preemption_ignores_priority(scheduler: SchedulerBase) -> tuple[list[Sequence], PreemptionMode]:
+    """The last to start, whatever the policy: a high-priority request is preempted before a low-priority one."""
+    group = scheduler.group_of(scheduler.running[-1])
+    return group, _mode(scheduler, group)
 
 
-def preempt_group_never_recomputes(scheduler: SchedulerBase, victim: Sequence, out: SchedulerOutput,
-                                   copies: dict[int, list[tuple[int, int]]]) -> int:
-    """Checks for room, but with none preempts nobody: the step waits for a swap that can never happen."""
-    group = scheduler.group_of(victim)
-    return _swap_group(scheduler, group, out, copies) if _fits(scheduler, group) else 0
+def select_preemption_victim_alone(scheduler: SchedulerBase) -> tuple[list[Sequence], PreemptionMode]:
+    """The victim without its sister samples: the group is split (its shared blocks stay on the device, held by
+    the sisters, and come back apart)."""
+    group = [_victim(scheduler)]
+    return group, _mode(scheduler, group)
 
 
-def preempt_group_ignores_the_way_back(scheduler: SchedulerBase, victim: Sequence, out: SchedulerOutput,
+def select_preemption_every_sample_of_the_request(scheduler: SchedulerBase) -> tuple[list[Sequence], PreemptionMode]:
+    """The group is every sample the request ever had, finished (or already out) ones included."""
+    victim = _victim(scheduler)
+    group = list(scheduler.requests.get(victim.request_id, [victim]))
+    return group, _mode(scheduler, group)
+
+
+def select_preemption_latest_arrival_anywhere(scheduler: SchedulerBase) -> tuple[list[Sequence], PreemptionMode]:
+    """The latest request to arrive, whether it runs, waits or is swapped out already."""
+    seqs = [seq for samples in scheduler.requests.values() for seq in samples if not seq.is_finished]
+    victim = max(seqs, key=lambda s: (s.arrival, s.seq_id))
+    group = [s for s in seqs if s.request_id == victim.request_id]
+    return group, _mode(scheduler, group)
+
+
+def select_preemption_always_swaps(scheduler: SchedulerBase) -> tuple[list[Sequence], PreemptionMode]:
+    """Never asks whether the host has room (or the group a way back): a full host pool fails the swap-out."""
+    return scheduler.group_of(_victim(scheduler)), PreemptionMode.SWAP
+
+
+def select_preemption_host_pool_size(scheduler: SchedulerBase) -> tuple[list[Sequence], PreemptionMode]:
+    """Compares the group with the host pool's size, not its free blocks: another group out already is forgotten."""
+    group = scheduler.group_of(_victim(scheduler))
+    return group, _mode(scheduler, group, host=scheduler.swap_pool.num_blocks)
+
+
+def select_preemption_strict_host_room(scheduler: SchedulerBase) -> tuple[list[Sequence], PreemptionMode]:
+    """Wants a spare host block: a host pool of exactly the group's blocks is refused."""
+    group = scheduler.group_of(_victim(scheduler))
+    return group, _mode(scheduler, group, host=scheduler.swap_pool.num_free_blocks - 1)
+
+
+def select_preemption_ignores_the_way_back(scheduler: SchedulerBase) -> tuple[list[Sequence], PreemptionMode]:
+    """Checks the host only: swaps out a group too large for the device ever to take back."""
+    group = scheduler.group_of(_victim(scheduler))
+    return group, _mode(scheduler, group, check_way_back=False)
+
+
+def select_preemption_strict_way_back(scheduler: SchedulerBase) -> tuple[list[Sequence], PreemptionMode]:
+    """Wants a spare device block beyond the group's blocks and one per sample: exactly enough is refused."""
+    group = scheduler.group_of(_victim(scheduler))
+    return group, _mode(scheduler, group, way_back=1)
+
+
+def select_preemption_free_device_blocks(scheduler: SchedulerBase) -> tuple[list[Sequence], PreemptionMode]:
+    """Asks the way back of the device's free blocks now (all but none, mid-preemption) instead of its size."""
+    group = scheduler.group_of(_victim(scheduler))
+    num_blocks = num_group_blocks(group)
+    fits = (num_blocks <= scheduler.swap_pool.num_free_blocks
+            and num_blocks + len(group) <= scheduler.kv_cache_manager.num_free_blocks)
+    return group, PreemptionMode.SWAP if fits else PreemptionMode.RECOMPUTE
+
+
+# --- schedule_swapped -----------------------------------------------------------------------------------------------
+
+
+def _bring_back(scheduler: SchedulerBase, out: SchedulerOutput, budget: int, copies: dict[int, list[tuple[int, int]]],
+                *, when_preempted: bool = False, per_seq: int = 1, seats: bool = True, skip: bool = False,
+                newest_first: bool = False, room: bool = True, gate: bool = True) -> int:
+    manager = scheduler.kv_cache_manager
+    while scheduler.swapped and budget > 0 and (when_preempted or not out.preempted_seq_ids):
+        queue = scheduler.swapped[::-1] if newest_first else list(scheduler.swapped)
+        fitting = [g for g in queue if (not room or num_group_blocks(g) + per_seq * len(g) <= manager.num_free_blocks)
+                   and (not seats or scheduler._num_seats() + len(g) <= scheduler.max_num_seqs)]
+        if not fitting or (not skip and fitting[0] is not queue[0]):
+            break
+        budget = scheduler._swap_in_group(fitting[0], out, budget, copies)
+    return 0 if gate and scheduler.swapped else budget
+
+
+def schedule_swapped_admits_while_a_group_is_out(scheduler: SchedulerBase, out: SchedulerOutput, budget: int,
+                                                copies: dict[int, list[tuple[int, int]]]) -> int:
+    """Leaves the rest of the budget to new admissions though a group is still out: they take its blocks."""
+    return _bring_back(scheduler, out, budget, copies, gate=False)
+
+
+def schedule_swapped_in_a_step_that_preempted(scheduler: SchedulerBase, out: SchedulerOutput, budget: int,
+                                              copies: dict[int, list[tuple[int, int]]]) -> int:
+    """Brings groups back in a step that has just preempted: the memory freed for the running goes back out."""
+    return _bring_back(scheduler, out, budget, copies, when_preempted=True)
+
+
+def schedule_swapped_without_room_for_the_next_tokens(scheduler: SchedulerBase, out: SchedulerOutput, budget: int,
+                                                      copies: dict[int, list[tuple[int, int]]]) -> int:
+    """Asks room for the group's blocks only: the samples come back with no block for their next token."""
+    return _bring_back(scheduler, out, budget, copies, per_seq=0)
+
+
+def schedule_swapped_ignores_the_room(scheduler: SchedulerBase, out: SchedulerOutput, budget: int,
+                                      copies: dict[int, list[tuple[int, int]]]) -> int:
+    """Brings the oldest group back whatever the free device blocks: the swap-in runs out of blocks."""
+    return _bring_back(scheduler, out, budget, copies, room=False)
+
+
+def schedule_swapped_jumps_the_queue(scheduler: SchedulerBase, out: SchedulerOutput, budget: int,
+                                     copies: dict[int, list[tuple[int, int]]]) -> int:
+    """Passes over a group that does not fit to one that does: small groups keep the oldest out for ever."""
+    return _bring_back(scheduler, out, budget, copies, skip=True)
+
+
+def schedule_swapped_newest_first(scheduler: SchedulerBase, out: SchedulerOutput, budget: int,
+                                  copies: dict[int, list[tuple[int, int]]]) -> int:
+    """Brings the group that went out last back first."""
+    return _bring_back(scheduler, out, budget, copies, newest_first=True)
+
+
+def schedule_swapped_ignores_the_seats(scheduler: SchedulerBase, out: SchedulerOutput, budget: int,
                                        copies: dict[int, list[tuple[int, int]]]) -> int:
-    """Checks the host pool only: swaps out a group too large for the device ever to take back."""
-    group = scheduler.group_of(victim)
-    if num_group_blocks(group) > scheduler.swap_pool.num_free_blocks:
-        return _recompute(scheduler, victim, out, copies)
-    return _swap_group(scheduler, group, out, copies)
+    """Never counts seats: the running set grows past `max_num_seqs`."""
+    return _bring_back(scheduler, out, budget, copies, seats=False)
 
 
-def preempt_group_recomputes_the_whole_group(scheduler: SchedulerBase, victim: Sequence, out: SchedulerOutput,
-                                             copies: dict[int, list[tuple[int, int]]]) -> int:
-    """Without room on the host, every sample of the victim's request is recomputed, not the victim alone."""
-    group = scheduler.group_of(victim)
-    if _fits(scheduler, group):
-        return _swap_group(scheduler, group, out, copies)
-    return sum(_recompute(scheduler, seq, out, copies) for seq in reversed(group))
+# --- prepare_store ------------------------------------------------------------------------------------------------
 
 
-def preempt_group_keeps_the_budget(scheduler: SchedulerBase, victim: Sequence, out: SchedulerOutput,
-                                   copies: dict[int, list[tuple[int, int]]]) -> int:
-    """Takes the group out of the batch but hands back no budget: the step schedules fewer tokens than it could."""
-    group = scheduler.group_of(victim)
-    if _fits(scheduler, group):
-        return _swap_group(scheduler, group, out, copies, hand_back=False)
-    return _recompute(scheduler, victim, out, copies)
+def _store(offloading: CPUOffloadingManager, evicted: list[tuple[int, bytes]], *, dedupe: bool = True,
+           refresh: bool = True, room: bool = True) -> None:
+    for device_block_id, block_hash in evicted:
+        if dedupe and offloading.host_pool.get_cached_block(block_hash) is not None:
+            if refresh:
+                offloading.touch([block_hash])
+            continue
+        if room and offloading.host_pool.num_free_blocks == 0:
+            continue
+        (host,) = offloading.host_pool.get_new_blocks(1)
+        offloading.host_pool.cache_full_block(host, block_hash)
+        offloading.queue_store(device_block_id, host)
 
 
-def preempt_group_forgets_read_from(scheduler: SchedulerBase, victim: Sequence, out: SchedulerOutput,
-                                    copies: dict[int, list[tuple[int, int]]]) -> int:
-    """Swaps out a copy-on-write destination as it is, though its copy was dropped: garbage goes to the host."""
-    group = scheduler.group_of(victim)
-    if _fits(scheduler, group):
-        return _swap_group(scheduler, group, out, copies, read_from=False)
-    return _recompute(scheduler, victim, out, copies)
+def prepare_store_copies_a_stored_hash_again(offloading: CPUOffloadingManager,
+                                             evicted: list[tuple[int, bytes]]) -> None:
+    """Stores every evicted block, though the host may hold its hash already: another host block, copied for nothing."""
+    _store(offloading, evicted, dedupe=False)
 
 
-def preempt_group_swaps_uncomputed_blocks(scheduler: SchedulerBase, victim: Sequence, out: SchedulerOutput,
-                                          copies: dict[int, list[tuple[int, int]]]) -> int:
-    """Keeps the blocks this step allocated for tokens that will now not run, and swaps them out too."""
-    group = scheduler.group_of(victim)
-    if _fits(scheduler, group):
-        return _swap_group(scheduler, group, out, copies, free_uncomputed=False)
-    return _recompute(scheduler, victim, out, copies)
+def prepare_store_does_not_refresh_a_stored_hash(offloading: CPUOffloadingManager,
+                                                 evicted: list[tuple[int, bytes]]) -> None:
+    """Skips a hash the host holds but leaves its LRU place: the block the device used last is the next overwritten."""
+    _store(offloading, evicted, refresh=False)
 
 
-def preempt_group_swaps_the_victim_alone(scheduler: SchedulerBase, victim: Sequence, out: SchedulerOutput,
-                                         copies: dict[int, list[tuple[int, int]]]) -> int:
-    """Swaps out the victim only, leaving its sister samples running (and the blocks they share on the device)."""
-    if _fits(scheduler, [victim]):
-        return _swap_group(scheduler, [victim], out, copies)
-    return _recompute(scheduler, victim, out, copies)
+def prepare_store_without_room_check(offloading: CPUOffloadingManager, evicted: list[tuple[int, bytes]]) -> None:
+    """Takes a host block for every store: with every host block held this step, the pool has none to give."""
+    _store(offloading, evicted, room=False)
+
+
+def prepare_store_releases_at_once(offloading: CPUOffloadingManager, evicted: list[tuple[int, bytes]]) -> None:
+    """Queues the copy but does not hold the host block: a later store in the same step may take it again."""
+    for device_block_id, block_hash in evicted:
+        if offloading.host_pool.get_cached_block(block_hash) is not None:
+            offloading.touch([block_hash])
+            continue
+        (host,) = offloading.host_pool.get_new_blocks(1)
+        offloading.host_pool.cache_full_block(host, block_hash)
+        offloading._stores.append((device_block_id, host.block_id))
+        offloading.stats.num_blocks_stored += 1
+        offloading.host_pool.free_blocks([host])
+
+
+def prepare_store_never_overwrites(offloading: CPUOffloadingManager, evicted: list[tuple[int, bytes]]) -> None:
+    """Stores only into host blocks that hold nothing yet: once the host is full, it keeps its oldest for ever."""
+    for device_block_id, block_hash in evicted:
+        if offloading.host_pool.get_cached_block(block_hash) is not None:
+            offloading.touch([block_hash])
+            continue
+        lru = offloading.host_pool.free_block_queue.head.next_free_block
+        if offloading.host_pool.num_free_blocks == 0 or lru.block_hash is not None:
+            continue
+        (host,) = offloading.host_pool.get_new_blocks(1)
+        offloading.host_pool.cache_full_block(host, block_hash)
+        offloading.queue_store(device_block_id, host)
 
 
 # --- get_num_new_matched_tokens -------------------------------------------------------------------------------------
 
 
 def _lookup(offloading: CPUOffloadingManager, hashes: list[bytes], first: int, last: int, *, past_misses: bool = False,
-            hold: bool = True) -> list[bytes]:
+            touch: bool = True, hold: bool = False) -> list[bytes]:
     if past_misses:
         hits = [h for h in hashes[first:last] if offloading.host_pool.get_cached_block(h) is not None]
     else:
         hits = hashes[first : first + offloading.lookup(hashes[first:last])]
-    if hold:
+    if touch:
         offloading.touch(hits)
+    if hold:
+        offloading.host_pool.touch([offloading.host_pool.get_cached_block(h) for h in hits])
     return hits
 
 
@@ -273,11 +256,20 @@ def lookup_covers_the_last_token(offloading: CPUOffloadingManager, block_hashes:
     return _count(offloading, hits, num_tokens, num_computed_tokens, block_size)
 
 
-def lookup_does_not_hold_the_hits(offloading: CPUOffloadingManager, block_hashes: list[bytes], num_tokens: int,
-                                  num_computed_tokens: int, block_size: int) -> int:
-    """Finds the hits but does not hold them: a store later in the same step may overwrite one before it loads."""
+def lookup_does_not_touch_the_hits(offloading: CPUOffloadingManager, block_hashes: list[bytes], num_tokens: int,
+                                   num_computed_tokens: int, block_size: int) -> int:
+    """Finds the hits but leaves the LRU order as it was: the prefix just used is the next the host overwrites."""
     first, last = num_computed_tokens // block_size, (num_tokens - 1) // block_size
-    hits = _lookup(offloading, block_hashes, first, last, hold=False)
+    hits = _lookup(offloading, block_hashes, first, last, touch=False)
+    return _count(offloading, hits, num_tokens, num_computed_tokens, block_size)
+
+
+def lookup_holds_the_hits(offloading: CPUOffloadingManager, block_hashes: list[bytes], num_tokens: int,
+                          num_computed_tokens: int, block_size: int) -> int:
+    """Holds the hits (one more reference each) at the lookup: a sequence that is then not admitted, or the load's
+    own hold, leaves them held for ever."""
+    first, last = num_computed_tokens // block_size, (num_tokens - 1) // block_size
+    hits = _lookup(offloading, block_hashes, first, last, hold=True)
     return _count(offloading, hits, num_tokens, num_computed_tokens, block_size)
 
 
@@ -298,34 +290,43 @@ def lookup_counts_every_prompt_token(offloading: CPUOffloadingManager, block_has
 
 
 MUTANTS = {
-    "swap_out_copies_shared_blocks_per_sample": {"swap_out": swap_out_copies_shared_blocks_per_sample},
-    "swap_out_one_host_reference": {"swap_out": swap_out_one_host_reference},
-    "swap_out_keeps_the_device_blocks": {"swap_out": swap_out_keeps_the_device_blocks},
-    "swap_out_frees_each_device_block_once": {"swap_out": swap_out_frees_each_device_block_once},
-    "swap_in_drops_the_sharing": {"swap_in": swap_in_drops_the_sharing},
-    "swap_in_keyed_by_position": {"swap_in": swap_in_keyed_by_position},
-    "swap_in_one_device_reference": {"swap_in": swap_in_one_device_reference},
-    "swap_in_keeps_the_host_blocks": {"swap_in": swap_in_keeps_the_host_blocks},
-    "preempt_group_never_checks_the_host": {"preempt_group": preempt_group_never_checks_the_host},
-    "preempt_group_checks_the_device_pool": {"preempt_group": preempt_group_checks_the_device_pool},
-    "preempt_group_never_recomputes": {"preempt_group": preempt_group_never_recomputes},
-    "preempt_group_ignores_the_way_back": {"preempt_group": preempt_group_ignores_the_way_back},
-    "preempt_group_recomputes_the_whole_group": {"preempt_group": preempt_group_recomputes_the_whole_group},
-    "preempt_group_keeps_the_budget": {"preempt_group": preempt_group_keeps_the_budget},
-    "preempt_group_forgets_read_from": {"preempt_group": preempt_group_forgets_read_from},
-    "preempt_group_swaps_uncomputed_blocks": {"preempt_group": preempt_group_swaps_uncomputed_blocks},
-    "preempt_group_swaps_the_victim_alone": {"preempt_group": preempt_group_swaps_the_victim_alone},
+    "select_preemption_first_started": {"select_preemption": select_preemption_first_started},
+    "select_preemption_ignores_priority": {"select_preemption": select_preemption_ignores_priority},
+    "select_preemption_victim_alone": {"select_preemption": select_preemption_victim_alone},
+    "select_preemption_every_sample_of_the_request":
+        {"select_preemption": select_preemption_every_sample_of_the_request},
+    "select_preemption_latest_arrival_anywhere": {"select_preemption": select_preemption_latest_arrival_anywhere},
+    "select_preemption_always_swaps": {"select_preemption": select_preemption_always_swaps},
+    "select_preemption_host_pool_size": {"select_preemption": select_preemption_host_pool_size},
+    "select_preemption_strict_host_room": {"select_preemption": select_preemption_strict_host_room},
+    "select_preemption_ignores_the_way_back": {"select_preemption": select_preemption_ignores_the_way_back},
+    "select_preemption_strict_way_back": {"select_preemption": select_preemption_strict_way_back},
+    "select_preemption_free_device_blocks": {"select_preemption": select_preemption_free_device_blocks},
+    "schedule_swapped_admits_while_a_group_is_out": {"schedule_swapped": schedule_swapped_admits_while_a_group_is_out},
+    "schedule_swapped_in_a_step_that_preempted": {"schedule_swapped": schedule_swapped_in_a_step_that_preempted},
+    "schedule_swapped_without_room_for_the_next_tokens":
+        {"schedule_swapped": schedule_swapped_without_room_for_the_next_tokens},
+    "schedule_swapped_ignores_the_room": {"schedule_swapped": schedule_swapped_ignores_the_room},
+    "schedule_swapped_jumps_the_queue": {"schedule_swapped": schedule_swapped_jumps_the_queue},
+    "schedule_swapped_newest_first": {"schedule_swapped": schedule_swapped_newest_first},
+    "schedule_swapped_ignores_the_seats": {"schedule_swapped": schedule_swapped_ignores_the_seats},
+    "prepare_store_copies_a_stored_hash_again": {"prepare_store": prepare_store_copies_a_stored_hash_again},
+    "prepare_store_does_not_refresh_a_stored_hash": {"prepare_store": prepare_store_does_not_refresh_a_stored_hash},
+    "prepare_store_without_room_check": {"prepare_store": prepare_store_without_room_check},
+    "prepare_store_releases_at_once": {"prepare_store": prepare_store_releases_at_once},
+    "prepare_store_never_overwrites": {"prepare_store": prepare_store_never_overwrites},
     "lookup_past_the_first_miss": {"get_num_new_matched_tokens": lookup_past_the_first_miss},
     "lookup_covers_the_last_token": {"get_num_new_matched_tokens": lookup_covers_the_last_token},
-    "lookup_does_not_hold_the_hits": {"get_num_new_matched_tokens": lookup_does_not_hold_the_hits},
+    "lookup_does_not_touch_the_hits": {"get_num_new_matched_tokens": lookup_does_not_touch_the_hits},
+    "lookup_holds_the_hits": {"get_num_new_matched_tokens": lookup_holds_the_hits},
     "lookup_from_the_first_block": {"get_num_new_matched_tokens": lookup_from_the_first_block},
     "lookup_counts_every_prompt_token": {"get_num_new_matched_tokens": lookup_counts_every_prompt_token},
 }
 
 # One mutant per exercise that must also break the capstone (the capstone runs every piece).
 CAPSTONE_MUTANTS = {
-    "swap_out": "swap_out_one_host_reference",
-    "swap_in": "swap_in_keeps_the_host_blocks",
-    "preempt_group": "preempt_group_checks_the_device_pool",
-    "get_num_new_matched_tokens": "lookup_does_not_hold_the_hits",
+    "select_preemption": "select_preemption_always_swaps",
+    "schedule_swapped": "schedule_swapped_ignores_the_room",
+    "prepare_store": "prepare_store_without_room_check",
+    "get_num_new_matched_tokens": "lookup_holds_the_hits",
 }

@@ -15,13 +15,14 @@ queue; its tokens are kept, so it resumes exactly where it was (prefix caching u
 still there). It repeats until the allocation succeeds or the victim is the sequence itself. No waiting
 sequence is admitted in a step that preempted.
 
-With a host pool (chapter 11, `preemption_mode="swap"`), `allocate_or_swap_out` takes the same victims but
-`preempt_group` swaps each victim out with its whole sequence group (every running sample of its request), shared
-blocks copied once (`solutions/kv_offload/swap.py`), when the host pool has room and the group could come back;
-otherwise the victim alone is recomputed. Swapped groups come back (`_swap_in`) oldest first, before anyone new is
-admitted, and never in a step that preempted. With the prefix cache's host tier (`kv_offloading_size`), an admitted
-sequence's lookup continues on the host after the device's hits, and the blocks found there are loaded instead of
-computed. The block copies both need travel in the `SchedulerOutput`, made by the runner before the forward pass.
+With a host pool (chapter 11, `preemption_mode="swap"`), `allocate_or_swap_out` asks `select_preemption` which
+sequence group (every running sample of one request) leaves, and whether it is swapped out (`_preempt_by_swap`:
+shared blocks copied once, `solutions/kv_offload/swap.py`) or recomputed (`_preempt_by_recompute`); a group always
+moves whole (the paper's §4.5). `schedule_swapped` decides which swapped groups come back (`_swap_in_group`) before
+the waiting queue is served, and what budget that leaves to new admissions. With the prefix cache's host tier
+(`kv_offloading_size`), an admitted sequence's lookup continues on the host after the device's hits, and the blocks
+found there are loaded instead of computed. The block copies both need travel in the `SchedulerOutput`, made by the
+runner before the forward pass.
 
 The scheduler is the one writer of a sequence's progress. When the batch is decided, `_update_after_schedule`
 advances every scheduled sequence's `num_computed_tokens` past its scheduled tokens (the step's
@@ -35,13 +36,14 @@ one `EngineCoreOutput` per sample and the step's `SchedulerStats`.
 
 Speculative decoding (`SpeculativeConfig`): a decoding sequence with draft tokens (`seq.spec_token_ids`, proposed
 by the runner after the previous step's sampling and handed over by `update_draft_token_ids`) schedules its
-newest token and its k drafts, 1 + k tokens of the budget, with slots for all of them; a budget too small for
-them all drops the last drafts. The runner verifies
-them in the same forward pass and returns the accepted ones plus one more. `update_from_output` then hands the
-rejected ones back: `num_computed_tokens` — advanced past all k at scheduling — moves back by the number rejected
-(their slots are overwritten by the next step), blocks that held only rejected drafts are freed, and the blocks
-the accepted ones filled are registered in the prefix cache (only the sequence's own, verified tokens are ever
-hashed). A stop inside an accepted run ends it there. Preemption drops the drafts.
+newest token and as many of its drafts as `num_scheduled_spec_tokens` admits under the step's budget and
+`max_model_len`, with slots for all of them. The runner verifies them in the same forward pass and returns the
+accepted ones plus one more; a stop inside that run ends it there. `update_from_output` then hands back what was
+scheduled but not kept (`hand_back_rejected_drafts`): `num_computed_tokens`, advanced past every draft at
+scheduling, comes back to the positions whose K/V are the sequence's (the rejected drafts' slots are overwritten
+next step), the blocks those positions filled are registered in the prefix cache (only the sequence's own,
+verified tokens are ever hashed), and the blocks only rejected drafts used stay with the sequence for its next
+drafts. Preemption drops the drafts.
 
 The module is split so that each idea can be read (and, in chapter 5, written) on its own: `SchedulerBase`
 holds the queues and the bookkeeping (`_preempt_request` and `update_from_output` among it),
@@ -50,11 +52,13 @@ holds the queues and the bookkeeping (`_preempt_request` and `update_from_output
 
 Where this lives in vLLM: `vllm/v1/core/sched/scheduler.py` (`Scheduler.schedule`, whose loop around
 `allocate_slots` is our `allocate_or_preempt`, `_preempt_request`, `update_from_output`, `get_grammar_bitmask`;
-`spec_token_ids` and the rollback of `num_computed_tokens` for rejected drafts in `update_from_output`).
+`spec_token_ids` trimmed to the budget and `max_model_len` in `schedule`, the rollback of `num_computed_tokens`
+for rejected drafts in `update_from_output`).
 """
 
 import importlib
 import time
+from enum import Enum
 from typing import TYPE_CHECKING, Self
 
 import torch
@@ -121,7 +125,7 @@ class SchedulerBase:
         self.running: list[Sequence] = []  # in the order they started running
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its samples' sequences, until all finish
         self.num_preemptions = 0  # over the scheduler's life
-        # chapter 11: with a host pool, preemption swaps a victim's whole group out (`preempt_group`) when it fits
+        # chapter 11: with a host pool, a preempted group may be swapped out whole (`select_preemption`)
         self.swap_pool = swap_pool
         self.swapped: list[list[Sequence]] = []  # swapped-out groups, in the order they went out
         self._reported_queries = self._reported_hits = 0  # prefix-cache lookups already in a SchedulerStats
@@ -172,10 +176,8 @@ class SchedulerBase:
         self.running.append(seq)
 
     def can_admit(self, seq: Sequence) -> bool:
-        """Is there room in the running set for waiting `seq` and the samples it will fork? Never while a group is
-        swapped out: it comes back before anyone new is admitted (the paper's §4.5)."""
-        if self.swapped:
-            return False
+        """Is there room in the running set for waiting `seq` and the samples it will fork? (Whether swapped-out
+        groups leave any budget to new admissions is `schedule_swapped`'s answer, chapter 11.)"""
         return self._num_seats() + 1 + len(seq.fork_seq_ids) <= self.max_num_seqs
 
     def _num_seats(self) -> int:
@@ -211,12 +213,6 @@ class SchedulerBase:
             return allocate_or_swap_out(self, seq, num_new_tokens, out, copies)
         return allocate_or_preempt(self, seq, num_new_tokens, out, copies)
 
-    def _victim(self) -> Sequence:
-        """Whom to preempt: the lowest priority (largest value), latest arrival (PRIORITY), else the last to start."""
-        if self.policy is SchedulingPolicy.PRIORITY:
-            return max(self.running, key=lambda s: (s.priority, s.arrival, s.seq_id))
-        return self.running[-1]
-
     def group_of(self, seq: Sequence) -> list[Sequence]:
         """`seq`'s sequence group: the running samples of its request, in running order (just `seq` for a sequence
         made by hand, without a request)."""
@@ -229,6 +225,11 @@ class SchedulerBase:
         copies: dict[int, list[tuple[int, int]]],
     ) -> None:
         """Put `seq` into the step's batch with `num_new_tokens` tokens, and count them as prefill or decode."""
+        if seq.spec_token_ids and num_new_tokens != 1 + len(seq.spec_token_ids):
+            raise RuntimeError(
+                f"sequence {seq.seq_id} keeps {len(seq.spec_token_ids)} drafts but is given {num_new_tokens} tokens: "
+                "its newest token and each draft take one (num_scheduled_spec_tokens kept more than the step can take)"
+            )
         out.scheduled_seqs.append(seq)
         out.num_scheduled_tokens.append(num_new_tokens)
         out.num_computed_tokens.append(seq.num_computed_tokens)  # where its new tokens start
@@ -275,11 +276,37 @@ class SchedulerBase:
         out.preempted_seq_ids.append(seq.seq_id)
         self.num_preemptions += 1
 
-    def _swap_out(self, group: list[Sequence], out: SchedulerOutput, read_from: dict[int, int]) -> None:
-        """Preemption by swapping, the bookkeeping: the group's blocks go to the host pool (`swap_out`), each sequence
-        leaves the running set for `swapped`. `read_from` maps a block this step's copy-on-write gave a sequence of
-        the group (its copy was dropped with the sequence's place in the batch) to the shared block it copies, whose
-        contents the swap-out reads instead. The group must be out of the batch, with no uncomputed blocks."""
+    def _preempt_by_recompute(
+        self, group: list[Sequence], out: SchedulerOutput, copies: dict[int, list[tuple[int, int]]]
+    ) -> int:
+        """Preempt every sequence of `group` by recompute (vLLM v0: `_preempt_by_recompute`), each out of the batch
+        first if it is in it; they wait at the front of the queue in their running order. Returns the budget handed
+        back by those that were in the batch."""
+        returned = 0
+        for seq in reversed(group):
+            if seq in out.scheduled_seqs:
+                returned += self._remove_from_batch(out, seq, copies)
+            self._preempt_request(seq, out)
+        return returned
+
+    def _preempt_by_swap(
+        self, group: list[Sequence], out: SchedulerOutput, copies: dict[int, list[tuple[int, int]]]
+    ) -> int:
+        """Preempt `group` by swapping it out whole (vLLM v0: `_preempt_by_swap`): its blocks go to the host pool
+        (`swap_out`), each sequence leaves the running set for `swapped`. Returns the budget handed back by those that
+        were in this step's batch.
+
+        A sequence in the batch leaves it first, with the blocks allocated for this step's tokens (they will now not
+        run: `free_uncomputed_blocks`). A copy-on-write this step gave it leaves with its place, so its destination
+        holds nothing yet: the swap-out reads the shared block it would have copied instead. The caller has checked
+        that the host pool has `num_group_blocks(group)` free blocks.
+        """
+        returned, read_from = 0, {}
+        for seq in group:
+            if seq in out.scheduled_seqs:
+                read_from.update((dst, src) for src, dst in copies.get(seq.seq_id, []))
+                returned += self._remove_from_batch(out, seq, copies)
+            self.kv_cache_manager.free_uncomputed_blocks(seq)
         for seq in group:
             self.running.remove(seq)
             seq.spec_token_ids = []
@@ -290,34 +317,31 @@ class SchedulerBase:
         out.blocks_to_swap_out += [(read_from.get(device_id, device_id), host_id) for device_id, host_id in pairs]
         self.swapped.append(group)
         self.num_preemptions += len(group)
+        return returned
 
     def _swap_in(self, out: SchedulerOutput, budget: int, copies: dict[int, list[tuple[int, int]]]) -> int:
-        """Swapped-out groups come back, oldest first, before any waiting sequence is admitted, while the device has
-        a block for each of a group's blocks and for each sequence's next one, the batch has seats and the step has
-        budget; never in a step that preempted (a block swapped out this step is not yet copied). Each sequence is
-        scheduled this step if its next tokens fit. Returns the budget left."""
+        """`schedule_swapped(self, ...)`, looked up in this module when called (chapter 11's decision)."""
+        return schedule_swapped(self, out, budget, copies)
+
+    def _swap_in_group(
+        self, group: list[Sequence], out: SchedulerOutput, budget: int, copies: dict[int, list[tuple[int, int]]]
+    ) -> int:
+        """Bring swapped-out `group` back (vLLM v0: `_swap_in`): its blocks into fresh device blocks (`swap_in`), each
+        sequence running again, its full blocks prefix hits again, and scheduled this step if its next tokens fit in
+        `budget` and in the free blocks. The caller has checked the room. Returns the budget left."""
         manager = self.kv_cache_manager
-        while not out.preempted_seq_ids and self.swapped and budget > 0:
-            group = self.swapped[0]
-            seats = sum(1 + len(s.fork_seq_ids) for s in group)
-            if (
-                num_group_blocks(group) + len(group) > manager.num_free_blocks
-                or self._num_seats() + seats > self.max_num_seqs
-            ):
-                break
-            self.swapped.pop(0)
-            out.blocks_to_swap_in += swap_in(self.swap_pool, manager.block_pool, group)
-            for seq in group:
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-                out.swapped_in_seq_ids.append(seq.seq_id)
-                manager.cache_blocks(seq, 0, seq.num_computed_tokens)  # its full blocks are prefix hits again
-                num_behind = seq.num_tokens - seq.num_computed_tokens
-                num_new_tokens = min(num_behind, budget, self.long_prefill_token_threshold)
-                seq_copies = manager.allocate_slots(seq, num_new_tokens) if num_new_tokens > 0 else None
-                if seq_copies is not None:  # else it runs from the next step
-                    self._add_to_batch(out, seq, num_new_tokens, seq_copies, copies)
-                    budget -= num_new_tokens
+        self.swapped.remove(group)
+        out.blocks_to_swap_in += swap_in(self.swap_pool, manager.block_pool, group)
+        for seq in group:
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.swapped_in_seq_ids.append(seq.seq_id)
+            manager.cache_blocks(seq, 0, seq.num_computed_tokens)
+            num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget, self.long_prefill_token_threshold)
+            seq_copies = manager.allocate_slots(seq, num_new_tokens) if num_new_tokens > 0 else None
+            if seq_copies is not None:  # else it runs from the next step
+                self._add_to_batch(out, seq, num_new_tokens, seq_copies, copies)
+                budget -= num_new_tokens
         return budget
 
     def _get_num_offloaded_tokens(self, seq: Sequence, num_cached_tokens: int) -> int:
@@ -419,18 +443,15 @@ class SchedulerBase:
                 if (stopped := check_stop(seq, self.eos_token_id, self.max_model_len)) is not None:
                     break
             finish_reason, stop_reason = None, None
+            if drafts:  # positions scheduled but not kept (rejected drafts, a tail cut by a stop): chapter 10
+                hand_back_rejected_drafts(self.kv_cache_manager, seq, starts[seq_id], len(sampled))
             if stopped is not None:
-                # the dropped tail's K/V (and any rejected drafts') are not the sequence's: as after a one-token step
-                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
                 status, stop_reason = stopped
                 self.finish(seq, status)
                 finish_reason = FINISH_REASONS[status]
                 samples = self.requests[seq.request_id]
                 if len(samples) == seq.sampling_params.n and all(s.is_finished for s in samples):
                     del self.requests[seq.request_id]  # every sample is done
-            else:
-                if drafts:  # the rejected drafts' positions were scheduled, not kept: computed again next step
-                    hand_back_rejected_drafts(self.kv_cache_manager, seq, starts[seq_id], len(drafts), len(sampled))
             logprobs = model_output.logprobs[b]
             outputs.append(EngineCoreOutput(
                 seq.request_id, seq.sample_index, new_token_ids,
@@ -455,15 +476,7 @@ class SchedulerBase:
         running = {seq.seq_id: seq for seq in self.running}
         for seq_id, drafts in zip(draft_token_ids.seq_ids, draft_token_ids.draft_token_ids, strict=True):
             if (seq := running.get(seq_id)) is not None:  # not finished (nor preempted) since the proposal
-                seq.spec_token_ids = self._fit_drafts(seq, drafts)
-
-    def _fit_drafts(self, seq: Sequence, drafts: list[int]) -> list[int]:
-        """The proposed drafts that can still be used: no more than the sequence may still generate, less the one
-        token every step adds, and no position past `max_model_len`."""
-        room = seq.sampling_params.max_tokens - seq.num_output_tokens - 1
-        if self.max_model_len is not None:
-            room = min(room, self.max_model_len - seq.num_tokens - 1)
-        return drafts[: max(room, 0)]
+                seq.spec_token_ids = list(drafts)  # how many of them the next step takes, `schedule` decides
 
     def make_stats(
         self, scheduler_output: SchedulerOutput | None = None, seconds: dict | None = None
@@ -502,21 +515,36 @@ def advance_computed_tokens(out: SchedulerOutput) -> None:
         seq.num_computed_tokens = start + num_new
 
 
-def hand_back_rejected_drafts(
-    kv_cache_manager: KVCacheManager, seq: Sequence, start: int, num_drafts: int, num_sampled: int
-) -> None:
-    """After verifying `seq`'s drafts: give back what the rejected ones took (vLLM: `num_computed_tokens -=
-    num_rejected` in `Scheduler.update_from_output`).
+def num_scheduled_spec_tokens(
+    seq: Sequence, token_budget: int, long_prefill_token_threshold: int, max_model_len: int
+) -> int:
+    """How many of decoding `seq`'s drafts (`seq.spec_token_ids`) this step verifies beside its newest token; the
+    scheduler drops the rest, last first (vLLM: the cap on `num_new_tokens` in `Scheduler.schedule`).
 
-    The step was scheduled from position `start` with the newest token and `num_drafts` drafts, so scheduling
-    advanced `num_computed_tokens` to `start + 1 + num_drafts`; verification kept `num_sampled` tokens (the
-    accepted drafts and one more), already appended, none of them a stop. Only the accepted drafts' K/V are the
-    sequence's: roll `num_computed_tokens` back by the rejected ones, to `start + num_sampled` (the last sampled
-    token has no K/V yet), free the blocks past the sequence's tokens (they held only rejected drafts), and
-    register in the prefix cache the blocks the verified tokens filled — never one holding a rejected draft.
+    The newest token is scheduled whatever the drafts, so the drafts share what is left of the step's `token_budget`
+    and of the per-sequence cap after it. Verification then appends the accepted drafts and one token of the
+    target's, so a sequence of `num_tokens` tokens may reach `num_tokens + n + 1` after a step with n drafts: that
+    must not pass `max_model_len` (vLLM caps the step's last position at `max_model_len - 2`).
     """
-    seq.num_computed_tokens -= num_drafts + 1 - num_sampled
-    kv_cache_manager.free_unverified_blocks(seq)
+    room = min(token_budget, long_prefill_token_threshold) - 1  # the newest token comes first
+    room = min(room, max_model_len - seq.num_tokens - 1)  # every draft accepted, then one token more
+    return min(len(seq.spec_token_ids), room)
+
+
+def hand_back_rejected_drafts(kv_cache_manager: KVCacheManager, seq: Sequence, start: int, num_sampled: int) -> None:
+    """After verifying `seq`'s drafts: count as computed only the positions whose K/V are the sequence's, and register
+    in the prefix cache the blocks they filled (vLLM: `num_computed_tokens -= num_rejected` in
+    `Scheduler.update_from_output`; it registers the blocks at the next `allocate_slots`).
+
+    Scheduling wrote K/V at positions `start` (the newest token) to `start + k` (the k drafts) and advanced
+    `num_computed_tokens` past them all. Verification returned `num_sampled` tokens, the accepted drafts and one of
+    the target's, already appended: all of them, or those up to a stop. The K/V that are the sequence's are the newest
+    token's and the accepted drafts', up to position `start + num_sampled - 1`, and only as far as the sequence's
+    tokens go after a stop; the last sampled token has none yet (its slot holds a rejected draft's, or nothing).
+    The blocks only rejected drafts used stay with the sequence, as in vLLM: the next step's drafts write there, and
+    a block freed now would send the next step to the free queue's head for one, evicting a cached block.
+    """
+    seq.num_computed_tokens = min(start + num_sampled, seq.num_tokens)
     kv_cache_manager.cache_blocks(seq, start, seq.num_computed_tokens)
 
 
@@ -551,46 +579,65 @@ def allocate_or_preempt(
     return seq_copies, returned
 
 
+class PreemptionMode(Enum):
+    """How a preempted group gets its K/V back (vLLM v0's `PreemptionMode`)."""
+
+    SWAP = "swap"  # its blocks copied to the host pool and back
+    RECOMPUTE = "recompute"  # its blocks freed; one prefill computes them again
+
+
 def allocate_or_swap_out(
     scheduler: SchedulerBase, seq: Sequence, num_new_tokens: int, out: SchedulerOutput,
     copies: dict[int, list[tuple[int, int]]],
 ) -> tuple[list[tuple[int, int]] | None, int]:
-    """`allocate_or_preempt` with a host pool (chapter 11): each victim goes with its whole group (`preempt_group`),
+    """`allocate_or_preempt` with a host pool (chapter 11): `select_preemption` names the group that leaves and how,
     so `seq` may leave with a victim's group as well as by being the victim."""
     returned = 0
     while (seq_copies := scheduler.kv_cache_manager.allocate_slots(seq, num_new_tokens)) is None:
-        returned += preempt_group(scheduler, scheduler._victim(), out, copies)
+        group, mode = select_preemption(scheduler)
+        if mode is PreemptionMode.SWAP:
+            returned += scheduler._preempt_by_swap(group, out, copies)
+        else:
+            returned += scheduler._preempt_by_recompute(group, out, copies)
         if seq.status is not SequenceStatus.RUNNING:
             return None, returned
     return seq_copies, returned
 
 
-def preempt_group(
-    scheduler: SchedulerBase, victim: Sequence, out: SchedulerOutput, copies: dict[int, list[tuple[int, int]]]
-) -> int:
-    """Preempt `victim`: swap it out with the rest of its sequence group if the host pool has a block for each of the
-    group's blocks and the group could come back (its blocks and one more per sequence fit the device pool), else
-    recompute the victim alone, as without a host pool (the paper's §4.5). Returns the token budget handed back by
-    those that were already in this step's batch.
-
-    A sequence already in the batch leaves it first, with the blocks allocated for this step's tokens; a copy-on-write
-    this step gave it is dropped with its place, so its swap-out reads the block it would have copied.
-    """
+def select_preemption(scheduler: SchedulerBase) -> tuple[list[Sequence], PreemptionMode]:
+    """Which group leaves, and how: the victim's whole group (the running samples of its request, which share blocks),
+    swapped out if the host pool has a block for each of its distinct blocks and the group could come back (its blocks
+    and one more per sequence fit the device pool), else recomputed (the paper's §4.5). The victim is the one
+    `allocate_or_preempt` would choose."""
+    if scheduler.policy is SchedulingPolicy.PRIORITY:
+        victim = max(scheduler.running, key=lambda s: (s.priority, s.arrival, s.seq_id))
+    else:
+        victim = scheduler.running[-1]
     group = scheduler.group_of(victim)
     num_blocks = num_group_blocks(group)
-    device_blocks = scheduler.kv_cache_manager.num_blocks
-    if num_blocks > scheduler.swap_pool.num_free_blocks or num_blocks + len(group) > device_blocks:
-        returned = scheduler._remove_from_batch(out, victim, copies) if victim in out.scheduled_seqs else 0
-        scheduler._preempt_request(victim, out)
-        return returned
-    returned, read_from = 0, {}
-    for seq in group:
-        if seq in out.scheduled_seqs:
-            read_from.update((dst, src) for src, dst in copies.get(seq.seq_id, []))
-            returned += scheduler._remove_from_batch(out, seq, copies)
-        scheduler.kv_cache_manager.free_uncomputed_blocks(seq)
-    scheduler._swap_out(group, out, read_from)
-    return returned
+    fits_host = num_blocks <= scheduler.swap_pool.num_free_blocks
+    can_return = num_blocks + len(group) <= scheduler.kv_cache_manager.num_blocks
+    return group, PreemptionMode.SWAP if fits_host and can_return else PreemptionMode.RECOMPUTE
+
+
+def schedule_swapped(
+    scheduler: SchedulerBase, out: SchedulerOutput, budget: int, copies: dict[int, list[tuple[int, int]]]
+) -> int:
+    """After the running sequences: bring swapped-out groups back (`_swap_in_group`), oldest first and none past one
+    that does not fit, while the device has a block for each of a group's blocks and for each sequence's next token,
+    the running set has seats and the step has budget; none in a step that preempted (the memory just freed is the
+    running sequences'). Returns the budget new admissions may use: none while a group is still out (vLLM v0
+    schedules prefills only while nothing is swapped)."""
+    manager = scheduler.kv_cache_manager
+    while scheduler.swapped and budget > 0 and not out.preempted_seq_ids:
+        group = scheduler.swapped[0]
+        seats = sum(1 + len(s.fork_seq_ids) for s in group)
+        if num_group_blocks(group) + len(group) > manager.num_free_blocks:
+            break
+        if scheduler._num_seats() + seats > scheduler.max_num_seqs:
+            break
+        budget = scheduler._swap_in_group(group, out, budget, copies)
+    return 0 if scheduler.swapped else budget
 
 
 class Scheduler(SchedulerBase):
@@ -606,10 +653,12 @@ class Scheduler(SchedulerBase):
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            if seq.spec_token_ids:  # speculative decoding (chapter 10): keep the drafts this step admits
+                num_spec = num_scheduled_spec_tokens(seq, budget, self.long_prefill_token_threshold, self.max_model_len)
+                del seq.spec_token_ids[num_spec:]
             num_behind = seq.num_tokens - seq.num_computed_tokens
             num_new_tokens = min(num_behind + len(seq.spec_token_ids), budget, self.long_prefill_token_threshold)
             assert num_new_tokens > 0, f"running sequence {seq.seq_id} has nothing to compute"
-            del seq.spec_token_ids[max(num_new_tokens - num_behind, 0) :]  # the drafts the budget leaves room for
             seq_copies, returned = self._allocate_or_preempt(seq, num_new_tokens, out, copies)
             budget += returned
             if seq_copies is None:
