@@ -113,9 +113,9 @@ SHUTDOWN = (core.EngineCoreRequestType.SHUTDOWN, None)
 class LoopUnderTest:
     """`impl.run_busy_loop` on a fresh engine core (tiny model), in a thread, fed and read through two queues."""
 
-    def __init__(self, impl, messages=(), parent_alive=lambda: True) -> None:
+    def __init__(self, impl, messages=(), parent_alive=lambda: True, input_queue: queue.Queue | None = None) -> None:
         self.core = tiny_core()
-        self.input_queue, self.output_queue = queue.Queue(), queue.Queue()
+        self.input_queue, self.output_queue = input_queue or queue.Queue(), queue.Queue()
         for message in messages:
             self.input_queue.put(message)
         self.error: BaseException | None = None
@@ -254,17 +254,40 @@ def test_run_busy_loop_lets_a_failing_step_raise(impl):
                  inputs=f"{inputs}; what your run_busy_loop raised (the step's own exception must reach its caller)")
 
 
+class CountingQueue(queue.Queue):
+    """An input queue that counts the calls made on it (the instrument of the idle test: a loop that polls makes
+    thousands a second however little CPU a busy machine leaves it, a loop that waits makes one per wait)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def get(self, block: bool = True, timeout: float | None = None):  # get_nowait comes here too
+        self.calls += 1
+        return super().get(block, timeout)
+
+    def empty(self) -> bool:
+        self.calls += 1
+        return super().empty()
+
+    def qsize(self) -> int:
+        self.calls += 1
+        return super().qsize()
+
+
 @pytest.mark.exercise("run_busy_loop")
 def test_run_busy_loop_blocks_while_idle(impl):
     inputs = "no request for half a second"
-    loop = LoopUnderTest(impl)
+    loop = LoopUnderTest(impl, input_queue=CountingQueue())
     time.sleep(0.1)
-    cpu = time.process_time()
+    cpu, calls = time.process_time(), loop.input_queue.calls
     time.sleep(0.5)
-    cpu = time.process_time() - cpu
+    cpu, calls = time.process_time() - cpu, loop.input_queue.calls - calls
     loop.stop(inputs)
-    expect_equal(cpu < 0.2, True, inputs=f"{inputs}; the process used {cpu:.2f} s of CPU in 0.5 s: an idle loop must "
-                 "wait on the input queue (get with a timeout), not poll it")
+    expect_equal((calls <= 20, cpu < 0.2), (True, True),
+                 inputs=f"{inputs}; (at most 20 calls on the input queue, under 0.2 s of CPU) in those 0.5 s: your "
+                 f"loop made {calls} calls and the process used {cpu:.2f} s of CPU. An idle loop must wait on the "
+                 "input queue (get with a timeout), not poll it")
 
 
 @pytest.mark.exercise("run_busy_loop")
@@ -279,6 +302,48 @@ def test_run_busy_loop_returns_when_the_front_end_is_gone(impl):
                  likely="the idle wait never asks parent_alive(), so an orphaned core waits for a SHUTDOWN nobody "
                  "will send")
     loop.check(inputs)
+
+
+@pytest.mark.exercise("run_busy_loop")
+def test_run_busy_loop_stays_up_while_idle_as_long_as_the_front_end_lives(impl):
+    idle = 3 * core.IDLE_POLL_SECONDS + 0.2
+    inputs = (f"no request for {idle:g} s (the idle wait of IDLE_POLL_SECONDS={core.IDLE_POLL_SECONDS} times out "
+              "three times; parent_alive() stays True), then a request of 4 greedy tokens")
+    loop = LoopUnderTest(impl)
+    time.sleep(idle)
+    loop.check(inputs)
+    expect_equal(loop.thread.is_alive(), True, inputs=f"{inputs}; your loop still running when the request comes "
+                 "(a timed-out idle wait only means: ask parent_alive(); the loop ends when it says False, and "
+                 "otherwise waits again)")
+    loop.input_queue.put(add("r", [5, 6, 7], 4))
+    messages = loop.messages_until(finished("r"), inputs)
+    loop.stop(inputs)
+    expect_equal(tokens_by_request(messages), {"r": offline([5, 6, 7], 4)},
+                 inputs=f"{inputs}; tokens of the request (oracle: LLM.generate)")
+
+
+@pytest.mark.exercise("run_busy_loop")
+def test_run_busy_loop_does_not_wait_on_the_queue_while_busy(impl):
+    inputs = (f"one request of 16 greedy tokens, nothing else on the input queue (a step of the tiny model takes "
+              f"milliseconds; the idle wait is IDLE_POLL_SECONDS={core.IDLE_POLL_SECONDS})")
+    loop = LoopUnderTest(impl, [add("r", list(range(10, 20)), 16)])
+    arrivals, deadline = [], time.monotonic() + 60
+    while not arrivals or arrivals[-1][1] is None:
+        loop.check(inputs)
+        try:
+            message = loop.output_queue.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"on input {inputs}: the request did not finish within 60 s; got {len(arrivals)} "
+                                 "step messages") from None
+        if step_messages([message]):
+            arrivals.append((time.monotonic(), message.outputs[0].finish_reason))
+    loop.stop(inputs)
+    gaps = sorted(later[0] - earlier[0] for earlier, later in zip(arrivals, arrivals[1:]))
+    median = gaps[len(gaps) // 2]
+    expect_equal(median < core.IDLE_POLL_SECONDS / 2, True,
+                 inputs=f"{inputs}; the median time between two step messages is {median:.2f} s: while busy, take "
+                 "what is already waiting with get(block=False) and step at once (a get with a timeout waits that "
+                 "long before every step when nothing comes)")
 
 
 # --- RequestOutputCollector -------------------------------------------------------------------------------------------
@@ -369,6 +434,7 @@ def test_collector_hands_out_outputs_before_an_error(impl):
                  inputs=f"{inputs}; the first get (the output that arrived before the error)")
     expect_equal(second, "raised engine died", inputs=f"{inputs}; the second get")
 
+
 @pytest.mark.exercise("RequestOutputCollector")
 def test_collector_waits_again_once_its_output_was_taken(impl):
     inputs = "put(' Once'), get, then a get with nothing pending, and put(' upon') 0.05 s later"
@@ -407,6 +473,45 @@ def test_collector_merges_parallel_samples_by_index_with_their_logprobs(impl):
                  inputs=f"{inputs}; the samples of the one output get returns (merge_delta folds them by index)")
     expect_equal([[list(entry) for entry in c.logprobs] for c in merged.outputs], [[[11], [12]], [[21], [22]]],
                  inputs=f"{inputs}; each sample's logprobs, one entry per token")
+
+
+@pytest.mark.exercise("RequestOutputCollector")
+def test_collector_wakes_a_waiting_reader_when_the_error_comes(impl):
+    inputs = "get() waiting with nothing put; put_error(RuntimeError('engine died')) 0.05 s later"
+
+    async def scenario():
+        with exercising("RequestOutputCollector", inputs):
+            collector = impl.RequestOutputCollector(asyncio.get_running_loop())
+            asyncio.get_running_loop().call_later(0.05, collector.put_error, RuntimeError("engine died"))
+            try:
+                return await get_within(collector, 2.0)
+            except RuntimeError as error:
+                return f"raised {error}"
+
+    got = run(scenario(), **COLLECTOR_GET)
+    expect_equal(got if isinstance(got, str) else f"returned {got}", "raised engine died",
+                 inputs=f"{inputs}; what the waiting get did within 2 s (put_error must wake it, as put does, and get "
+                 "must stop waiting when an error is there, not only when an output is)")
+
+
+@pytest.mark.exercise("RequestOutputCollector")
+def test_collector_keeps_a_finished_output_when_an_abort_crosses_it(impl):
+    inputs = ("put(' Once' [11]), put(' upon' [12], finish_reason length, finished=True), then an abort's output "
+              "(finish_reason abort, finished=True: it crossed the request's last output) before one get")
+
+    async def scenario():
+        with exercising("RequestOutputCollector", inputs):
+            collector = impl.RequestOutputCollector(asyncio.get_running_loop())
+            collector.put(delta((0, " Once", [11])))
+            collector.put(delta((0, " upon", [12], FinishReason.LENGTH), finished=True))
+            collector.put(delta((0, "", [], FinishReason.ABORT), finished=True))
+            return await get_within(collector, 2.0)
+
+    got = run(scenario(), **COLLECTOR_GET)
+    expect_equal((completions(got), got.finished) if isinstance(got, RequestOutput) else got,
+                 ([(0, " Once upon", [11, 12], FinishReason.LENGTH)], True),
+                 inputs=f"{inputs}; (samples, finished) of the output get returns (the request had finished: its "
+                 "last output stands, and an output put after a finished one is dropped, not merged)")
 
 
 # --- generate ------------------------------------------------------------------------------------------------------
@@ -539,6 +644,55 @@ def test_generate_aborts_when_the_callers_task_is_cancelled(impl):
     expect_equal(generated < LONG.max_tokens / 2, True,
                  inputs=f"{inputs}; tokens generated ({generated:.0f}): the request must be aborted (CancelledError "
                  "arrives at the `await` on the collector; a `finally` sees it)")
+
+
+@pytest.mark.exercise("generate")
+def test_generate_cancelled_mid_stream_aborts_and_frees_the_request_id(impl):
+    inputs = (f"a greedy request 'mid' of {LONG.max_tokens} tokens read by a task; the task is cancelled after its "
+              "third output; then a new request of 6 greedy tokens under the same id 'mid'")
+
+    async def scenario():
+        with tiny_async_llm() as llm, exercising("generate", inputs):
+            seen, third = [], asyncio.Event()
+
+            async def consume():
+                async for output in impl.generate(llm, list(range(10, 20)), LONG, "mid"):
+                    seen.append(output)
+                    if len(seen) == 3:
+                        third.set()
+
+            task = asyncio.create_task(consume())
+            waiter = asyncio.ensure_future(third.wait())
+            await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if task.done():
+                task.result()  # the stream failed before its third output: that error is the answer
+                return f"the stream ended after {len(seen)} outputs", generated_tokens(llm), "not tried"
+            task.cancel()
+            outcome = "cancelled"
+            try:
+                await task
+                outcome = "the task ended normally"
+            except asyncio.CancelledError:
+                pass
+            await until_idle(llm)
+            generated = generated_tokens(llm)
+            try:
+                again = tokens_of(await read_all(impl.generate(llm, [5, 6, 7], SamplingParams(max_tokens=6, **GREEDY),
+                                                               "mid")))
+            except ValueError as error:
+                again = f"ValueError: {error}"
+            return outcome, generated, again
+
+    outcome, generated, again = run(scenario(), **GENERATE_ENDS, timeout=40)
+    expect_equal(outcome, "cancelled", inputs=f"{inputs}; how the cancelled task ended (abort, then let "
+                 "CancelledError through: a task that ends normally looks like a complete answer)")
+    expect_equal(generated < LONG.max_tokens / 2, True,
+                 inputs=f"{inputs}; tokens generated ({generated:.0f}): the request must be aborted (await "
+                 "llm.abort(request_id) in the `finally`)")
+    expect_equal(again, offline([5, 6, 7], 6),
+                 inputs=f"{inputs}; the new request's tokens (oracle: LLM.generate): the abort must go through "
+                 "llm.abort, which also makes the front end forget the request, so its id is free again")
 
 
 @pytest.mark.exercise("generate")
@@ -715,15 +869,49 @@ def test_until_disconnected_passes_the_works_error_on(impl):
         raise ValueError("bad prompt")
 
     async def scenario():
+        before = asyncio.all_tasks()
         try:
             await impl.until_disconnected(Connection().receive, failing())
+            outcome = "returned"
         except ValueError as error:
-            return f"ValueError: {error}"
+            outcome = f"ValueError: {error}"
         except serving_engine.ClientDisconnected:
-            return "ClientDisconnected"
-        return "returned"
+            outcome = "ClientDisconnected"
+        await asyncio.sleep(0.02)  # a cancelled task finishes at its next turn
+        return outcome, len([t for t in asyncio.all_tasks() - before if not t.done()])
 
-    expect_equal(run(scenario(), **UNTIL), "ValueError: bad prompt", inputs=f"{inputs}; what until_disconnected raised")
+    outcome, left = run(scenario(), **UNTIL)
+    expect_equal(outcome, "ValueError: bad prompt", inputs=f"{inputs}; what until_disconnected raised")
+    expect_equal(left, 0, inputs=f"{inputs}; tasks still running afterwards (the watcher must be cancelled however "
+                 "the work ends, its error included: a `finally`)")
+
+
+@pytest.mark.exercise("until_disconnected")
+def test_until_disconnected_cancels_the_work_when_its_own_caller_is_cancelled(impl):
+    inputs = ("work that would take 5 s; the client stays, but the task awaiting until_disconnected is cancelled "
+              "after 0.05 s (the server shutting down)")
+
+    async def scenario():
+        log, connection, before = [], Connection(), asyncio.all_tasks()
+        caller = asyncio.ensure_future(impl.until_disconnected(connection.receive, slow_work(5.0, log)))
+        await asyncio.sleep(0.05)
+        caller.cancel()
+        try:
+            await caller
+            outcome = "returned"
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+        except serving_engine.ClientDisconnected:
+            outcome = "ClientDisconnected"
+        what_the_work_did = list(log)
+        await asyncio.sleep(0.02)  # a cancelled task finishes at its next turn
+        return outcome, what_the_work_did, len([t for t in asyncio.all_tasks() - before if not t.done()])
+
+    outcome, log, left = run(scenario(), **UNTIL)
+    expect_equal((outcome, log), ("cancelled", ["cancelled"]), inputs=f"{inputs}; (how the caller's task ended, "
+                 "what the work did by then): cancelling the caller must cancel the work too, and wait for it "
+                 "(cancel in a `finally`), or the request the work iterates is never aborted")
+    expect_equal(left, 0, inputs=f"{inputs}; tasks still running afterwards (the work and the watcher)")
 
 
 # --- capstone: a live server on SmolLM2, on all of your pieces -----------------------------------------------------

@@ -233,6 +233,37 @@ def test_apply_token_bitmask_on_smollm2_sized_logits(impl, dtype):
     expect_masked(impl.apply_token_bitmask(logits, mask_of(allowed, 1536)), masked_by_hand(logits, allowed), inputs)
 
 
+# On a GPU the logits are CUDA tensors while the mask stays on the host; a test on the CPU alone would never see a
+# mask (or a table, or a constant) left there. PyTorch's "meta" device stands in for the GPU everywhere: its tensors
+# have shapes, dtypes and a device but no data, and an op that mixes them with CPU tensors (other than 0-dim ones)
+# fails as it does on CUDA. The values are checked on the CPU above (and on the GPU itself when there is one).
+OTHER_DEVICE = torch.device("meta")
+
+
+@pytest.mark.exercise("apply_token_bitmask")
+@dtypes
+def test_apply_token_bitmask_with_the_logits_on_another_device_than_the_mask(impl, dtype):
+    logits = torch.empty(3, 70, device=OTHER_DEVICE, dtype=dtype)
+    mask = mask_of([[0, 5, 31, 32, 63], [1, 2, 3], None], 2)
+    inputs = (f"{dtype} logits (3, 70) on the {OTHER_DEVICE.type} device (a stand-in for a GPU: no data, but its "
+              "ops check devices as CUDA's do), the (3, 2) int32 mask on the host, as the engine keeps it")
+    try:
+        got = impl.apply_token_bitmask(logits, mask)
+    except RuntimeError as error:  # NotImplementedError too: a stub's, or the meta device's own
+        if isinstance(error, NotImplementedError) and OTHER_DEVICE.type not in str(error):
+            raise
+        raise AssertionError(
+            f"on input {inputs}: your apply_token_bitmask raised {type(error).__name__}: {error}\n  Every tensor "
+            "an op combines with the logits must be on logits.device: move the mask there (bitmask.to(logits."
+            "device)) and make any table, index or constant there too; and keep the work there (reading the logits "
+            "back to the host, with .cpu(), .tolist() or .item(), costs a GPU a copy and a sync per step, and fails "
+            "on this device)") from None
+    expect_equal((tuple(got.shape), got.dtype, got.device.type) if isinstance(got, torch.Tensor) else got,
+                 ((3, 70), dtype, OTHER_DEVICE.type),
+                 inputs=f"{inputs}; (shape, dtype, device) of the result (the logits' own: the sampler reads it "
+                 "where the logits are)")
+
+
 # --- submit_grammar_bitmask: the engine's hand-off of the mask ------------------------------------------------------
 
 HANG_SECONDS = 10  # how long a test waits on anything an exercise started before it calls it stuck
@@ -307,12 +338,12 @@ MIXED_INPUTS = ("one scheduler step (SmolLM2's vocabulary): a choice request wit
                 "['yes', 'no']")
 
 
-def expected_rows(scheduler_output: SchedulerOutput) -> list[list[int]]:
+def expected_rows(scheduler_output: SchedulerOutput, num_words: int = SMOLLM2_VOCAB // 32) -> list[list[int]]:
     """The oracle: one row per sampling sequence, in `sampling_rows`' order, filled by that sequence's own grammar
-    on a fresh all-ones row (all ones without a grammar)."""
+    on a fresh all-ones row of `num_words` words (all ones without a grammar)."""
     rows = []
     for seq in sampling_rows(scheduler_output)[1]:
-        row = torch.full((1, SMOLLM2_VOCAB // 32), -1, dtype=torch.int32)
+        row = torch.full((1, num_words), -1, dtype=torch.int32)
         if seq.grammar is not None:
             seq.grammar.fill_bitmask(row, 0)
         rows.append(row[0].tolist())
@@ -325,10 +356,11 @@ def describe_rows(scheduler_output: SchedulerOutput) -> str:
                      for i, s in enumerate(seqs))
 
 
-def submitted_mask(impl, scheduler_output: SchedulerOutput, inputs: str) -> torch.Tensor | None:
+def submitted_mask(impl, scheduler_output: SchedulerOutput, inputs: str,
+                   vocab_size: int = SMOLLM2_VOCAB) -> torch.Tensor | None:
     """Call the exercise, wait (bounded) for its future, check that its fill ran on the executor's thread."""
     executor = DaemonThreadExecutor()
-    future = run_bounded(lambda: impl.submit_grammar_bitmask(scheduler_output, executor, SMOLLM2_VOCAB), HANG_SECONDS,
+    future = run_bounded(lambda: impl.submit_grammar_bitmask(scheduler_output, executor, vocab_size), HANG_SECONDS,
                          what="submit_grammar_bitmask", likely="a grammar's fill that never returns")
     if future is None:
         return None
@@ -421,6 +453,37 @@ def test_submit_grammar_bitmask_returns_while_the_fill_runs_and_its_future_waits
     executor.join()
     expect_equal(mask.tolist() == want, True, inputs=f"{inputs}; the mask, once the fill has finished (the choice's "
                  "row from its grammar, the unconstrained row all ones)")
+
+
+@pytest.mark.exercise("submit_grammar_bitmask")
+def test_submit_grammar_bitmask_masks_a_grammar_that_is_not_in_the_first_row(impl):
+    scheduler_output = first_step([(6, SamplingParams(max_tokens=8)), (4, choice_params(["yes", "no"]))])
+    inputs = (f"one scheduler step: an unconstrained request, then a choice request ['yes', 'no']; the sampling rows: "
+              f"{describe_rows(scheduler_output)}")
+    mask = submitted_mask(impl, scheduler_output, inputs)
+    if not isinstance(mask, torch.Tensor):
+        raise AssertionError(f"on input {inputs}: the future's result should be the (2, 1536) int32 mask, got "
+                             f"{type(mask).__name__} (None only when no sampling row has a grammar: look at every "
+                             "row, not the first)")
+    expect_equal(mask.tolist() == expected_rows(scheduler_output), True,
+                 inputs=f"{inputs}; the mask equals the oracle's (row 0 all ones, row 1 the choice's)")
+
+
+@pytest.mark.exercise("submit_grammar_bitmask")
+def test_submit_grammar_bitmask_vocabulary_not_a_multiple_of_32(impl):
+    vocab = SMOLLM2_VOCAB + 17  # a model whose vocabulary is padded past the tokenizer's, or GPT-2's 50,257
+    scheduler_output = first_step(MIXED_STEP)
+    inputs = f"{MIXED_INPUTS}; vocab_size={vocab} (not a multiple of 32: its last word is partly used)"
+    want = expected_rows(scheduler_output, (vocab + 31) // 32)
+    mask = submitted_mask(impl, scheduler_output, inputs, vocab)
+    if not isinstance(mask, torch.Tensor):
+        raise AssertionError(f"on input {inputs}: the future's result should be the (N, W) int32 mask, got "
+                             f"{type(mask).__name__}")
+    expect_equal(tuple(mask.shape), (len(want), (vocab + 31) // 32),
+                 inputs=f"{inputs}; the mask's shape (ceil({vocab} / 32) words a row: with {vocab} // 32 the last "
+                 f"{vocab % 32} tokens would have no bit, forbidden in every row)")
+    expect_equal(mask.tolist() == want, True, inputs=f"{inputs}; the mask equals the oracle's (each row from its "
+                 "sequence's own grammar, all ones without one)")
 
 
 # --- ChoiceGrammar -------------------------------------------------------------------------------------------------
@@ -531,6 +594,60 @@ def test_choice_grammar_allows_eos_only_after_a_whole_choice(impl):
     expect_equal(accept(grammar, [EOS], inputs), True, inputs=f"{inputs}; accept_tokens([EOS]) after 'Paris'")
     expect_equal((terminated(grammar, inputs), allowed(grammar, inputs)), (True, []),
                  inputs=f"{inputs}; (is_terminated(), allowed_token_ids()) once EOS is taken")
+
+
+def tokens_with_eos(eos_token_id: int | None) -> TokenTexts:
+    """The hand-made vocabulary with another EOS: None (a vocabulary without one), or 0 (the padding token's id)."""
+    tokens = hand_tokens()
+    return TokenTexts(tokens.texts, tokens.ids_by_text, eos_token_id)
+
+
+@pytest.mark.exercise("ChoiceGrammar")
+def test_choice_grammar_in_a_vocabulary_without_an_eos_token(impl):
+    tokens = tokens_with_eos(None)
+    inputs = f"ChoiceGrammar({CITIES}), the hand-made vocabulary without an EOS token (eos_token_id=None)"
+    grammar = new_grammar(impl, CITIES, tokens, inputs)
+    expect_equal(allowed(grammar, inputs), [2, 3, 4, 5, 31, 32, 63, 64], inputs=f"{inputs}; allowed_token_ids() at "
+                 "the start")
+    expect_equal(accept(grammar, [5], inputs), True, inputs=f"{inputs}; accept_tokens([5]) ('Paris')")
+    expect_equal((allowed(grammar, inputs), terminated(grammar, inputs)), ([], True),
+                 inputs=f"{inputs}; (allowed_token_ids(), is_terminated()) after 'Paris': no EOS to allow (None is "
+                 "no token id), and no choice extends it")
+    mask = torch.full((1, 3), -1, dtype=torch.int32)
+    with exercising("ChoiceGrammar", inputs):
+        grammar.fill_bitmask(mask, 0)
+    expect_equal(mask.tolist(), [[0, 0, 0]], inputs=f"{inputs}; fill_bitmask(mask, 0) after 'Paris'")
+    grammar = new_grammar(impl, CITIES, tokens, inputs)
+    expect_equal(accept(grammar, [5, 1], inputs), False,
+                 inputs=f"{inputs}; accept_tokens([5, 1]): token 1 is no EOS here, only a special token spelling "
+                 "nothing")
+    inputs = f"ChoiceGrammar({PREFIXED}), the hand-made vocabulary without an EOS token; accept_tokens([4]) ('Par')"
+    grammar = new_grammar(impl, PREFIXED, tokens, inputs)
+    accept(grammar, [4], inputs)
+    expect_equal((allowed(grammar, inputs), terminated(grammar, inputs)), ([6, 8, 67], False),
+                 inputs=f"{inputs}; (allowed_token_ids(), is_terminated()) after 'Par': without EOS nothing can end "
+                 "the output at 'Par', so it goes on towards 'Paris' (ending here would make 'Paris' unreachable)")
+    expect_equal((accept(grammar, [6], inputs), allowed(grammar, inputs), terminated(grammar, inputs)),
+                 (True, [], True), inputs=f"{inputs}; (accept_tokens([6]) ('is'), allowed_token_ids(), "
+                 "is_terminated()) after 'Par'")
+
+
+@pytest.mark.exercise("ChoiceGrammar")
+def test_choice_grammar_whose_eos_token_id_is_0(impl):
+    tokens = tokens_with_eos(0)
+    inputs = (f"ChoiceGrammar({CITIES}), the hand-made vocabulary whose EOS is token 0 (as SmolLM2 base's "
+              "<|endoftext|>); token 1 is an ordinary special token spelling nothing")
+    grammar = new_grammar(impl, CITIES, tokens, inputs)
+    expect_equal(accept(grammar, [3, 0], inputs), False, inputs=f"{inputs}; accept_tokens([3, 0]): EOS after 'Pa'")
+    grammar = new_grammar(impl, CITIES, tokens, inputs)
+    accept(grammar, [5], inputs)
+    expect_equal(allowed(grammar, inputs), [0], inputs=f"{inputs}; allowed_token_ids() after 'Paris': only EOS, "
+                 "token 0 (an id of 0 is a token: test `is not None`, not truth)")
+    expect_equal((accept(grammar, [0], inputs), terminated(grammar, inputs)), (True, True),
+                 inputs=f"{inputs}; (accept_tokens([0]), is_terminated()) after 'Paris'")
+    grammar = new_grammar(impl, CITIES, tokens, inputs)
+    expect_equal(accept(grammar, [5, 1], inputs), False, inputs=f"{inputs}; accept_tokens([5, 1]): token 1 is no EOS "
+                 "here")
 
 
 @pytest.mark.exercise("ChoiceGrammar")

@@ -8,7 +8,12 @@ from concurrent.futures import Executor, Future
 import torch
 
 from solutions.core.sched.output import SchedulerOutput, sampling_rows
-from solutions.structured_output.bitmask import allocate_token_bitmask, pack_token_bitmask, unpack_token_bitmask
+from solutions.structured_output.bitmask import (
+    _BYTE_TO_LOGIT_TERMS,
+    allocate_token_bitmask,
+    pack_token_bitmask,
+    unpack_token_bitmask,
+)
 from solutions.structured_output.choice import ChoiceGrammar, TokenTexts
 
 # --- pack_token_bitmask --------------------------------------------------------------------------------------------
@@ -68,6 +73,39 @@ def pack_token_bitmask_sized_by_the_ids(token_ids: list[int], num_words: int) ->
     return _pack(token_ids, max(token_ids, default=-1) // 32 + 1)
 
 
+def pack_token_bitmask_float_words(token_ids: list[int], num_words: int) -> torch.Tensor:
+    """Adds 2 ** j into float32 words (torch.zeros' default dtype): a float32 holds 24 significant bits, so a word
+    with high and low bits set loses the low ones, and 2 ** 31 does not fit int32 at the end."""
+    words = torch.zeros(num_words)
+    for token_id in set(token_ids):
+        words[token_id // 32] += 2.0 ** (token_id % 32)
+    return words.to(torch.int32)
+
+
+def pack_token_bitmask_scatter_overwrites(token_ids: list[int], num_words: int) -> torch.Tensor:
+    """Writes each id's bit with `scatter_`, which replaces a word instead of adding to it: two allowed tokens in one
+    word leave only one of their bits."""
+    words = torch.zeros(num_words, dtype=torch.int64)
+    ids = torch.tensor(sorted(set(token_ids)), dtype=torch.int64)
+    words.scatter_(0, ids // 32, 1 << (ids % 32))
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def pack_token_bitmask_untyped_ids(token_ids: list[int], num_words: int) -> torch.Tensor:
+    """Makes the ids a tensor without a dtype: an empty list (a grammar that allows nothing, as after EOS) becomes
+    a float tensor, which `index_add_` refuses as an index."""
+    words = torch.zeros(num_words, dtype=torch.int64)
+    ids = torch.tensor(sorted(set(token_ids)))
+    words.index_add_(0, ids // 32, 1 << (ids % 32))
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def pack_token_bitmask_drops_the_sign_bit(token_ids: list[int], num_words: int) -> torch.Tensor:
+    """Keeps each word within int32 by masking it with 0x7FFFFFFF: bit 31 (tokens 31, 63, ...) is never set."""
+    words = _pack(token_ids, num_words).to(torch.int64) & 0x7FFFFFFF
+    return words.to(torch.int32)
+
+
 # --- apply_token_bitmask -------------------------------------------------------------------------------------------
 
 
@@ -125,6 +163,40 @@ def apply_token_bitmask_float32_terms(logits: torch.Tensor, bitmask: torch.Tenso
     float32 (and on a GPU the mask is made on the host)."""
     allowed = unpack_token_bitmask(bitmask, logits.shape[-1])
     return logits + torch.where(allowed, 0.0, float("-inf")).to(logits.device)
+
+
+def apply_token_bitmask_mask_left_on_the_host(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Unpacks the mask where it lies (the host) and applies it to the logits where they lie: on a GPU, masked_fill
+    refuses a CPU mask for CUDA logits (`bitmask.to(logits.device)` forgotten)."""
+    return logits.masked_fill(~unpack_token_bitmask(bitmask, logits.shape[-1]), float("-inf"))
+
+
+def apply_token_bitmask_terms_on_the_host(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """The byte lookup with its table cast to the logits' dtype but left on the host: the (N, V) additive terms are
+    made on the CPU, and adding them to GPU logits fails."""
+    terms = _BYTE_TO_LOGIT_TERMS.to(logits.dtype)
+    additive = terms[bitmask.contiguous().view(torch.uint8).long()].flatten(1)
+    if additive.shape[1] < logits.shape[-1]:
+        additive = torch.nn.functional.pad(additive, (0, logits.shape[-1] - additive.shape[1]), value=float("-inf"))
+    return logits + additive[:, : logits.shape[-1]]
+
+
+def apply_token_bitmask_on_the_masks_device(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Brings the logits to the mask (`logits.to(bitmask.device)`) instead of the mask to the logits: on a GPU every
+    step copies the (N, V) logits to the host, and the result comes back on the CPU."""
+    logits = logits.to(bitmask.device)
+    return logits.masked_fill(~unpack_token_bitmask(bitmask, logits.shape[-1]), float("-inf"))
+
+
+def apply_token_bitmask_shifts_on_the_host(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Moves the mask to the logits' device but makes the shift amounts (`torch.arange(32)`) on the host: the shift
+    mixes a GPU tensor with a CPU one."""
+    bits = torch.arange(32, dtype=torch.int32)
+    allowed = ((bitmask.to(logits.device)[:, :, None] >> bits) & 1).bool().flatten(1)
+    vocab_size = logits.shape[-1]
+    if allowed.shape[1] < vocab_size:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]), value=False)
+    return logits.masked_fill(~allowed[:, :vocab_size], float("-inf"))
 
 
 # --- submit_grammar_bitmask ----------------------------------------------------------------------------------------
@@ -197,6 +269,40 @@ def submit_grammar_bitmask_zeros_for_unconstrained(
         return None
     bitmask = torch.zeros(len(grammars), (vocab_size + 31) // 32, dtype=torch.int32)
     return executor.submit(_fill, grammars, bitmask)
+
+
+def submit_grammar_bitmask_words_rounded_down(
+    scheduler_output: SchedulerOutput, executor: Executor, vocab_size: int
+) -> "Future[torch.Tensor] | None":
+    """Sizes the rows `vocab_size // 32` words: with a vocabulary that is not a multiple of 32 (GPT-2's 50,257) the
+    last tokens have no bit, so they are forbidden in every row, constrained or not."""
+    grammars = [seq.grammar for seq in sampling_rows(scheduler_output)[1]]
+    if all(grammar is None for grammar in grammars):
+        return None
+    bitmask = torch.full((len(grammars), vocab_size // 32), -1, dtype=torch.int32)
+    return executor.submit(_fill, grammars, bitmask)
+
+
+def submit_grammar_bitmask_first_row_decides(
+    scheduler_output: SchedulerOutput, executor: Executor, vocab_size: int
+) -> "Future[torch.Tensor] | None":
+    """Returns None when the first sampling row has no grammar: a constrained request scheduled after an
+    unconstrained one samples without its mask."""
+    grammars = [seq.grammar for seq in sampling_rows(scheduler_output)[1]]
+    if not grammars or grammars[0] is None:
+        return None
+    return executor.submit(_fill, grammars, allocate_token_bitmask(len(grammars), vocab_size))
+
+
+def submit_grammar_bitmask_submits_the_fills_result(
+    scheduler_output: SchedulerOutput, executor: Executor, vocab_size: int
+) -> "Future[torch.Tensor] | None":
+    """Calls the fill and submits what it returned (`executor.submit(fill())`): the rows are filled on the caller's
+    thread, and the executor is handed a tensor to call, so the future raises TypeError."""
+    grammars = [seq.grammar for seq in sampling_rows(scheduler_output)[1]]
+    if all(grammar is None for grammar in grammars):
+        return None
+    return executor.submit(_fill(grammars, allocate_token_bitmask(len(grammars), vocab_size)))
 
 
 # --- ChoiceGrammar -------------------------------------------------------------------------------------------------
@@ -360,6 +466,52 @@ class ChoiceGrammarOrsIntoTheRow(ChoiceGrammar):
         bitmask[row] |= pack_token_bitmask(self.allowed_token_ids(), bitmask.shape[1])
 
 
+def _allowed_towards_a_choice(grammar: ChoiceGrammar) -> set[int]:
+    """The reference's allowed tokens without EOS: every token that keeps the text a prefix of some choice."""
+    allowed = set()
+    for choice_bytes in grammar.choices:
+        if choice_bytes.startswith(grammar.text):
+            rest = choice_bytes[len(grammar.text) :]
+            for end in range(1, len(rest) + 1):
+                allowed.update(grammar.tokens.ids_by_text.get(rest[:end], []))
+    return allowed
+
+
+class ChoiceGrammarEosEvenWithoutOne(ChoiceGrammar):
+    """Adds the EOS id once the text is a whole choice without asking whether the vocabulary has one: with
+    `eos_token_id=None` the allowed tokens hold None (and sorting None among ints raises TypeError)."""
+
+    def allowed_token_ids(self) -> list[int]:
+        if self.ended:
+            return []
+        allowed = _allowed_towards_a_choice(self)
+        if self.text in self.choices:
+            allowed.add(self.tokens.eos_token_id)
+        return sorted(allowed)
+
+
+class ChoiceGrammarEosZeroIsNoEos(ChoiceGrammar):
+    """Asks `if self.tokens.eos_token_id:` for "is there an EOS token": an EOS whose id is 0 (as SmolLM2 base's
+    <|endoftext|>) is never allowed, so no choice can end."""
+
+    def allowed_token_ids(self) -> list[int]:
+        if self.ended:
+            return []
+        allowed = _allowed_towards_a_choice(self)
+        if self.text in self.choices and self.tokens.eos_token_id:
+            allowed.add(self.tokens.eos_token_id)
+        return sorted(allowed)
+
+
+class ChoiceGrammarWithoutEosEndsAtAnyChoice(ChoiceGrammar):
+    """Without an EOS token, ends as soon as the text is a whole choice: a longer choice it starts ("Paris" after
+    "Par") can never be produced."""
+
+    def is_terminated(self) -> bool:
+        if self.tokens.eos_token_id is None:
+            return self.ended or self.text in self.choices
+        return super().is_terminated()
+
 MUTANTS = {
     "pack_token_bitmask_msb_first": {"pack_token_bitmask": pack_token_bitmask_msb_first},
     "pack_token_bitmask_adds_repeats": {"pack_token_bitmask": pack_token_bitmask_adds_repeats},
@@ -368,6 +520,10 @@ MUTANTS = {
     "pack_token_bitmask_int64_words": {"pack_token_bitmask": pack_token_bitmask_int64_words},
     "pack_token_bitmask_words_reversed": {"pack_token_bitmask": pack_token_bitmask_words_reversed},
     "pack_token_bitmask_sized_by_the_ids": {"pack_token_bitmask": pack_token_bitmask_sized_by_the_ids},
+    "pack_token_bitmask_float_words": {"pack_token_bitmask": pack_token_bitmask_float_words},
+    "pack_token_bitmask_scatter_overwrites": {"pack_token_bitmask": pack_token_bitmask_scatter_overwrites},
+    "pack_token_bitmask_untyped_ids": {"pack_token_bitmask": pack_token_bitmask_untyped_ids},
+    "pack_token_bitmask_drops_the_sign_bit": {"pack_token_bitmask": pack_token_bitmask_drops_the_sign_bit},
     "apply_token_bitmask_zero_for_forbidden": {"apply_token_bitmask": apply_token_bitmask_zero_for_forbidden},
     "apply_token_bitmask_big_negative": {"apply_token_bitmask": apply_token_bitmask_big_negative},
     "apply_token_bitmask_msb_first": {"apply_token_bitmask": apply_token_bitmask_msb_first},
@@ -376,6 +532,10 @@ MUTANTS = {
     "apply_token_bitmask_in_place": {"apply_token_bitmask": apply_token_bitmask_in_place},
     "apply_token_bitmask_allows_past_the_mask": {"apply_token_bitmask": apply_token_bitmask_allows_past_the_mask},
     "apply_token_bitmask_float32_terms": {"apply_token_bitmask": apply_token_bitmask_float32_terms},
+    "apply_token_bitmask_mask_left_on_the_host": {"apply_token_bitmask": apply_token_bitmask_mask_left_on_the_host},
+    "apply_token_bitmask_terms_on_the_host": {"apply_token_bitmask": apply_token_bitmask_terms_on_the_host},
+    "apply_token_bitmask_on_the_masks_device": {"apply_token_bitmask": apply_token_bitmask_on_the_masks_device},
+    "apply_token_bitmask_shifts_on_the_host": {"apply_token_bitmask": apply_token_bitmask_shifts_on_the_host},
     "submit_grammar_bitmask_per_scheduled_sequence": {
         "submit_grammar_bitmask": submit_grammar_bitmask_per_scheduled_sequence},
     "submit_grammar_bitmask_row_owner_grammar": {"submit_grammar_bitmask": submit_grammar_bitmask_row_owner_grammar},
@@ -384,6 +544,10 @@ MUTANTS = {
         "submit_grammar_bitmask": submit_grammar_bitmask_done_before_the_fill},
     "submit_grammar_bitmask_zeros_for_unconstrained": {
         "submit_grammar_bitmask": submit_grammar_bitmask_zeros_for_unconstrained},
+    "submit_grammar_bitmask_words_rounded_down": {"submit_grammar_bitmask": submit_grammar_bitmask_words_rounded_down},
+    "submit_grammar_bitmask_first_row_decides": {"submit_grammar_bitmask": submit_grammar_bitmask_first_row_decides},
+    "submit_grammar_bitmask_submits_the_fills_result": {
+        "submit_grammar_bitmask": submit_grammar_bitmask_submits_the_fills_result},
     "ChoiceGrammarCanonicalTokensOnly": {"ChoiceGrammar": ChoiceGrammarCanonicalTokensOnly},
     "ChoiceGrammarEndsAnywhere": {"ChoiceGrammar": ChoiceGrammarEndsAnywhere},
     "ChoiceGrammarStopsAtFirstChoice": {"ChoiceGrammar": ChoiceGrammarStopsAtFirstChoice},
@@ -393,6 +557,9 @@ MUTANTS = {
     "ChoiceGrammarDecodesTokens": {"ChoiceGrammar": ChoiceGrammarDecodesTokens},
     "ChoiceGrammarFirstFittingChoiceOnly": {"ChoiceGrammar": ChoiceGrammarFirstFittingChoiceOnly},
     "ChoiceGrammarRescansTheVocabulary": {"ChoiceGrammar": ChoiceGrammarRescansTheVocabulary},
+    "ChoiceGrammarEosEvenWithoutOne": {"ChoiceGrammar": ChoiceGrammarEosEvenWithoutOne},
+    "ChoiceGrammarEosZeroIsNoEos": {"ChoiceGrammar": ChoiceGrammarEosZeroIsNoEos},
+    "ChoiceGrammarWithoutEosEndsAtAnyChoice": {"ChoiceGrammar": ChoiceGrammarWithoutEosEndsAtAnyChoice},
 }
 
 # One mutant per exercise that must make the capstone fail: each lets the sampler pick a token the grammar
