@@ -7,6 +7,7 @@ The contention test is real: a busy-loop process pinned to one of this process's
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from grading.tiny_models import tiny_checkpoint
 from solutions.engine.arg_utils import EngineArgs, ParameterError
 from solutions.executor.uniproc_executor import UniProcExecutor
 from solutions.worker import cpu_threads
-from solutions.worker.cpu_threads import CpuThreadPolicy, cpu_quota, read_cpu_times, threads_for
+from solutions.worker.cpu_threads import CpuThreadPolicy, CpuTimes, cpu_quota, read_cpu_times, threads_for
 
 ON_LINUX = read_cpu_times(cpu_threads.usable_cpus()) is not None
 
@@ -97,3 +98,74 @@ def test_a_busy_neighbour_on_one_core_takes_a_thread_away_until_it_ends(monkeypa
     finally:
         policy.restore()
         torch.set_num_threads(threads)
+
+
+class SteppedMachine:
+    """A virtual clock and a virtual `/proc` for the policy: other processes keep `others` cores busy, and a step
+    at t threads costs `cost[t]` seconds per token; time moves only as steps run."""
+
+    def __init__(self, monkeypatch, others: float, cost: dict[int, float]) -> None:
+        self.now, self.busy, self.others, self.cost = 100.0, 0.0, others, cost
+        self.threads_run: list[int] = []
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.setattr(cpu_threads, "time", SimpleNamespace(monotonic=lambda: self.now))
+        monkeypatch.setattr(cpu_threads, "read_cpu_times", lambda cpus: CpuTimes(self.busy, 0.0, self.now))
+        monkeypatch.setattr(cpu_threads, "max_threads", lambda: 2)
+        torch.set_num_threads(2)
+
+    def steps(self, policy: CpuThreadPolicy, count: int, tokens: int = 8) -> None:
+        for _ in range(count):
+            threads = policy.before_step()
+            seconds = self.cost[threads] * tokens
+            self.now += seconds
+            self.busy += self.others * seconds
+            policy.after_step(seconds, tokens)
+            self.threads_run.append(threads)
+
+
+@pytest.fixture
+def threads_back():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_a_probe_brings_back_a_thread_the_load_took_when_it_runs_steps_faster(monkeypatch, threads_back):
+    # the front end and a client keep 0.7 of a core busy: the load says one thread, the steps say two
+    machine = SteppedMachine(monkeypatch, others=0.7, cost={1: 0.010, 2: 0.006})
+    policy = CpuThreadPolicy()
+    machine.steps(policy, 200)
+    assert policy.num_threads == 2, "two threads run the steps 40% faster, yet the policy stayed at one"
+    assert machine.threads_run[-100:].count(2) >= 90, "the count the clock chose must hold while the load holds"
+
+
+def test_a_probe_into_a_busy_core_costs_one_step_and_the_count_stays(monkeypatch, threads_back):
+    # a busy neighbour on one core: a second thread makes every step 6x slower
+    machine = SteppedMachine(monkeypatch, others=1.0, cost={1: 0.010, 2: 0.060})
+    policy = CpuThreadPolicy()
+    machine.steps(policy, 400)
+    assert policy.num_threads == 1
+    slow = machine.threads_run[5:].count(2)
+    probes = 1 + int((machine.now - 100.0) / cpu_threads.PROBE_EVERY[1])
+    assert 1 <= slow <= probes, f"{slow} steps at two threads in {machine.now - 100:.0f} s: probes must stop early"
+
+
+def test_a_count_the_clock_chose_still_drops_when_a_neighbour_arrives(monkeypatch, threads_back):
+    machine = SteppedMachine(monkeypatch, others=0.3, cost={1: 0.010, 2: 0.006})
+    policy = CpuThreadPolicy()
+    machine.steps(policy, 200)
+    assert policy.num_threads == 2
+    machine.others, machine.cost = 1.0, {1: 0.010, 2: 0.060}  # a busy loop starts
+    start = machine.now
+    while policy.num_threads == 2 and machine.now - start < 10:
+        machine.steps(policy, 1)
+    assert policy.num_threads == 1 and machine.now - start < 2 * cpu_threads.SAMPLE_SECONDS + 0.5, (
+        "a busy neighbour must take the thread at the next load sample, not wait for a probe")
+
+
+def test_on_a_quiet_machine_probes_keep_every_thread(monkeypatch, threads_back):
+    machine = SteppedMachine(monkeypatch, others=0.0, cost={1: 0.010, 2: 0.006})
+    policy = CpuThreadPolicy()
+    machine.steps(policy, 300)
+    assert policy.num_threads == 2
+    assert machine.threads_run.count(1) <= 3 * (1 + int((machine.now - 100.0) / cpu_threads.PROBE_EVERY[0]))

@@ -138,6 +138,27 @@ def test_compiled_fast_path_equals_hugging_face_and_compiles_only_at_start_up(mo
     assert scheduler.kv_cache_manager.num_used_blocks == 0
 
 
+def test_a_new_thread_count_does_not_recompile_the_forward():
+    """The CPU thread policy changes torch's thread count as the machine's load changes; each change must not cost
+    a compile (dynamo guards the count in its global state; inductor's loops may be written for one count)."""
+    folder = tiny_checkpoint("llama-gqa")
+    llm = LLM(model=str(folder), attention_backend="inductor", cpu_threads=2, **HARD)
+    compiled, policy = core(llm).model_executor.model_runner.compiled_forward, core(llm).model_executor.cpu_threads
+    at_start, graphs = compiled.compile_seconds, torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    prompts = prompts_with_a_shared_head(4, 256, seed=5)
+    try:
+        for policy.num_threads in (1, 2, 1):  # as the policy sets it, step by step
+            outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+            assert torch.get_num_threads() == policy.num_threads
+            for prompt, output in zip(prompts, outputs, strict=True):
+                expected = hf_greedy(folder, tuple(prompt), NEW_TOKENS)
+                assert_greedy_close(output.outputs[0].token_ids, expected, prompt, hf_oracle(folder))
+    finally:
+        policy.restore()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "a thread count compiled a new graph"
+    assert compiled.compile_seconds == at_start
+
+
 def test_enforce_eager_keeps_the_eager_forward_with_in_place_attention():
     folder = tiny_checkpoint("llama-gqa")
     eager = LLM(model=str(folder), attention_backend="inductor", enforce_eager=True, **HARD)

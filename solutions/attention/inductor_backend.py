@@ -27,6 +27,8 @@ Where this lives in vLLM: `vllm/v1/attention/backends/cpu_attn.py` (the CPU back
 paged-attention kernels in `csrc/cpu/`).
 """
 
+from collections.abc import Callable
+
 import torch
 
 from solutions.attention import cpu_kernels
@@ -57,7 +59,26 @@ def torch_paged_decode_attention(
     return out.reshape(Bd, Hq, D)
 
 
-_compiled = torch.compile(torch_paged_decode_attention, dynamic=True)
+def _keep_all_but_global_state(guards: list) -> list[bool]:
+    """Dynamo's guard filter: every guard but the global-state one, which holds torch's thread count."""
+    return [guard.guard_type != "GLOBAL_STATE" for guard in guards]
+
+
+def compile_for_any_thread_count(fn: Callable) -> Callable:
+    """`torch.compile(fn, dynamic=True)`, its graphs serving every torch thread count.
+
+    The engine changes the CPU forward pass's thread count as the machine's load changes
+    (`solutions/worker/cpu_threads.py`). Two things would recompile at each new count, for half a minute on a
+    2-core machine (SmolLM2's forward, measured 2026-11-27): inductor's C++ loops are written for the count at
+    compile time, and dynamo guards every graph on its global state, the count included. So the loops read the
+    count at run time (`cpp.dynamic_threads`) and the global-state guard is left out; the callers hold the rest of
+    that state fixed themselves (they run under `torch.no_grad()`, and a tensor's dtype and device stay guarded).
+    """
+    options = {"cpp.dynamic_threads": True, "guard_filter_fn": _keep_all_but_global_state}
+    return torch.compile(fn, dynamic=True, options=options)
+
+
+_compiled = compile_for_any_thread_count(torch_paged_decode_attention)
 
 
 def compiled_paged_decode_attention(

@@ -4,6 +4,8 @@ to the cores this process can get (`CpuThreadPolicy`), as vLLM's CPU worker bind
 Where this lives in vLLM: `vllm/v1/executor/uniproc_executor.py` (`UniProcExecutor`).
 """
 
+import time
+
 import torch
 
 from solutions.config import VllmConfig
@@ -21,9 +23,13 @@ class UniProcExecutor(Executor):
         self.model_runner = ModelRunner.from_config(self.load_model(), vllm_config)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
-        if self.cpu_threads is not None:
-            self.cpu_threads.before_step()
-        return self.model_runner.execute_model(scheduler_output)
+        if self.cpu_threads is None:
+            return self.model_runner.execute_model(scheduler_output)
+        self.cpu_threads.before_step()
+        start = time.perf_counter()
+        logits = self.model_runner.execute_model(scheduler_output)
+        self.cpu_threads.after_step(time.perf_counter() - start, sum(scheduler_output.num_scheduled_tokens))
+        return logits
 
     def shutdown(self) -> None:
         if self.cpu_threads is not None:

@@ -38,6 +38,7 @@ import torch
 import torch._inductor.config as inductor_config
 
 from solutions.attention.backend import AttentionBackend
+from solutions.attention.inductor_backend import compile_for_any_thread_count
 from solutions.model.llama import LlamaForCausalLM
 
 MIN_ROWS = 2  # sizes 0 and 1 are specialised by dynamo: a lone token is padded to this many rows
@@ -102,7 +103,7 @@ class CompiledForward:
     def __init__(self, model: LlamaForCausalLM) -> None:
         self.model = model
         self.compile_seconds = 0.0
-        self._compiled = torch.compile(self._forward, dynamic=True)
+        self._compiled = compile_for_any_thread_count(self._forward)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last_rows: torch.Tensor) -> torch.Tensor:
         hidden = self.model.model(input_ids, positions, FORWARD_CONTEXT_ATTENTION)  # (T, D_model)
