@@ -4,6 +4,7 @@
     python -m benchmarks.engine_core --quick    # 8 requests, 16 output tokens: checks that it runs
     python -m benchmarks.engine_core --json     # one JSON object (the table's figures)
     python -m benchmarks.engine_core --threads 1   # torch intra-op threads, here and in the core's process
+    python -m benchmarks.engine_core --host-time   # host time per decode step against the context length
 
 The same seeded workload (SmolLM2-135M, fp32 on this machine's cores; prompts of random token ids, greedy,
 EOS ignored, every request present at once) through three paths, one after the other:
@@ -19,6 +20,12 @@ time of a message (the core putting it on its queue → the front end's output t
 pipe in process mode) and how many outputs a request received (fewer than its tokens when the caller fell behind
 and DELTA outputs were merged). In thread mode the step time includes what the GIL costs the core: the event
 loop's Python work runs between the core's Python work, never beside it.
+
+`--host-time` asks another question: does the Python around the model stay O(changes) per step, or grow with
+the contexts (a block table or a token list rebuilt every step)? 64 decoding sequences of a tiny random Llama
+(2 layers of 64 wide: the model costs little, so the host's share shows) at each context length, the step ledger's
+median ms per stage over 20 decode steps (`SchedulerStats.seconds`), `host` = schedule + prepare inputs +
+postprocess, and the block-table entries the model runner wrote per step (`BlockTable.num_block_writes`).
 """
 
 import argparse
@@ -149,15 +156,73 @@ def print_table(rows: list[dict], num_requests: int, prompt_len: int, max_tokens
         print(" | ".join(f"{c:>12}" for c in cells))
 
 
+def host_time_vs_context(
+    context_lens: list[int], num_seqs: int = 64, num_steps: int = 20, block_size: int = 16
+) -> list[dict]:
+    """Per context length: `num_seqs` sequences of that many prompt tokens prefilled (untimed), then `num_steps`
+    decode steps of all of them; the ledger's median ms per stage, `host`, and block-table writes per step."""
+    from grading.tiny_models import tiny_checkpoint
+    from solutions import LLM, SamplingParams
+    from solutions.metrics.stats import STEP_STAGES
+
+    max_model_len = max(context_lens) + 512  # room for the first sequences' decodes while the last ones prefill
+    llm = LLM(str(tiny_checkpoint("llama-gqa", max_position_embeddings=max_model_len)), block_size=block_size,
+              max_num_seqs=num_seqs, max_num_batched_tokens=8192, max_model_len=max_model_len,
+              kv_cache_memory_bytes=2**30, enforce_eager=True, seed=0)
+    engine, core = llm.llm_engine, llm.llm_engine.engine_core.engine_core
+    scheduler, block_table = core.scheduler, core.model_executor.model_runner.block_table
+    params = SamplingParams(temperature=0.0, max_tokens=512, ignore_eos=True)
+    rows = []
+    for context_len in context_lens:
+        ids = [f"{context_len}-{i}" for i in range(num_seqs)]
+        for i, request_id in enumerate(ids):
+            engine.add_request(request_id, [(7 * i + j) % 250 + 3 for j in range(context_len)], params)
+        while scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in scheduler.running):
+            engine.step()
+        engine.step()  # the first decode: its rows enter the block table
+        engine.stats.steps.clear()
+        writes = block_table.num_block_writes
+        for _ in range(num_steps):
+            engine.step()
+        steps = engine.stats.steps
+        assert len(steps) == num_steps and all(s.num_decode_tokens == num_seqs for s in steps), "decodes only"
+        row = {stage: 1e3 * statistics.median(s.seconds[stage] for s in steps) for stage in STEP_STAGES}
+        row["host"] = row["schedule"] + row["prepare"] + row["postprocess"]
+        row["block_writes_per_step"] = (block_table.num_block_writes - writes) / num_steps
+        rows.append({"context": context_len, **row})
+        engine.abort_request(ids)
+    return rows
+
+
+def print_host_time(rows: list[dict], num_seqs: int) -> None:
+    print(f"{num_seqs} decoding sequences, tiny Llama (2 layers, 64 wide), torch backend eager, block_size 16; "
+          f"median ms per step; torch threads {torch.get_num_threads()}")
+    header = ("context", "schedule", "prepare", "forward", "sample", "postprocess", "host", "block writes")
+    print(" | ".join(f"{h:>11}" for h in header))
+    for r in rows:
+        cells = [r["context"], *(f"{r[k]:.3f}" for k in header[1:-1]), f"{r['block_writes_per_step']:.1f}"]
+        print(" | ".join(f"{c:>11}" for c in cells))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="8 requests, 16 output tokens")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--threads", type=int, help="torch threads for every path (default: torch's, one per core)")
+    parser.add_argument("--host-time", action="store_true",
+                        help="host time per decode step of 64 sequences at several context lengths (tiny model)")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read by torch when the spawned core process starts
+    if args.host_time:
+        contexts = [100, 400] if args.quick else [100, 1000, 4000]
+        rows = host_time_vs_context(contexts, num_steps=5 if args.quick else 20)
+        if args.json:
+            print(json.dumps(dict(num_seqs=64, rows=rows)))
+        else:
+            print_host_time(rows, 64)
+        return
     from solutions import SamplingParams
     from solutions.model.loader import load_tokenizer
 

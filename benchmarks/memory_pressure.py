@@ -10,6 +10,8 @@
     however many blocks), and a loop of one copy per block per layer tensor, as vLLM v0's cache engine issued them
     (one `cudaMemcpyAsync` per block: the paper's mechanism). Beside them, the time to recompute the same K/V: one
     prefill forward pass of those tokens through the model runner at that block size (the "torch" backend, eager).
+    The batched swap's bandwidth (GB/s, 1e9 bytes) is printed beside the machine's own for the same bytes: one plain
+    copy of one contiguous tensor of that size each way (into and out of pinned host memory on a GPU).
 (b) Fig. 19b, an engine under memory pressure. Requests arrive by a Poisson process at `--request-rate` per second
     (ShareGPT-like lengths of `benchmarks/workload.py`, scaled by `--length-scale`, prompts of random token ids,
     greedy, EOS ignored) at an `LLMEngine` whose KV pool holds only `--pool-tokens` tokens, so it preempts often;
@@ -135,6 +137,10 @@ def swap_rows(model, seq_len: int, block_sizes: list[int], repeats: int, backend
         pairs = [(b, b) for b in range(num_blocks)]
         row = dict(block_size=block_size, num_blocks=num_blocks, kv_bytes=runner.kv_cache.num_bytes,
                    recompute_s=recompute)
+        device_run = torch.empty(row["kv_bytes"], dtype=torch.uint8, device=device)  # the same bytes, contiguous
+        host_run = torch.empty(row["kv_bytes"], dtype=torch.uint8, pin_memory=device.type == "cuda")
+        row["copy_out_s"] = timed(lambda: host_run.copy_(device_run, non_blocking=True), repeats, device)
+        row["copy_in_s"] = timed(lambda: device_run.copy_(host_run, non_blocking=True), repeats, device)
         for name, copy in (("batched", swap_blocks), ("per_block", swap_blocks_per_block)):
             row[f"{name}_out_s"] = timed(lambda copy=copy: copy(runner.kv_cache, host, pairs), repeats, device)
             row[f"{name}_in_s"] = timed(lambda copy=copy: copy(host, runner.kv_cache, pairs), repeats, device)
@@ -161,6 +167,12 @@ def print_swap_rows(rows: list[dict], seq_len: int, device: torch.device) -> Non
                  f"{median(r['batched_in_out_s']) / median(r['recompute_s']):.3f}",
                  f"{median(r['per_block_in_out_s']) / median(r['recompute_s']):.3f}"])
     print_table(header, table)
+    print("bandwidth, GB/s of the medians: the batched swap against one plain copy of the same bytes (the machine's)")
+    header = ("block", "MiB", "swap out", "plain copy out", "swap in", "plain copy in")
+    print_table(header, [[r["block_size"], f"{r['kv_bytes'] / 2**20:.1f}"] + [
+        f"{r['kv_bytes'] / median(r[key]) / 1e9:.2f}"
+        for key in ("batched_out_s", "copy_out_s", "batched_in_s", "copy_in_s")
+    ] for r in rows])
     print(PAPER_A)
 
 

@@ -115,7 +115,7 @@ import numpy as np
 from benchmarks.machine import measured_on
 from benchmarks.workload import MAX_MODEL_LEN as SHAREGPT_MAX_MODEL_LEN
 from benchmarks.workload import sample_lengths
-from solutions.worker.model_runner import ATTENTION_BACKENDS
+from solutions.attention.registry import ATTENTION_BACKENDS
 
 MODEL = "smollm2-135m"
 SCALE = 16  # every length, and max_model_len, divided by this

@@ -62,13 +62,17 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def tiny_checkpoint(name: str, seed: int = 0) -> Path:
-    """Folder of the tiny checkpoint `name` (built on first use, then cached)."""
-    folder = cache_dir() / "tiny" / f"{name}-seed{seed}"
+def tiny_checkpoint(name: str, seed: int = 0, max_position_embeddings: int | None = None) -> Path:
+    """Folder of the tiny checkpoint `name` (built on first use, then cached). `max_position_embeddings` raises the
+    context limit (512) for a run over long contexts; the weights are the same."""
+    suffix = "" if max_position_embeddings is None else f"-pos{max_position_embeddings}"
+    folder = cache_dir() / "tiny" / f"{name}-seed{seed}{suffix}"
     if not (folder / "config.json").exists():
         import transformers
 
         class_name, kwargs = TINY_CONFIGS[name]
+        if max_position_embeddings is not None:
+            kwargs = dict(kwargs, max_position_embeddings=max_position_embeddings)
         config = getattr(transformers, class_name)(**kwargs)
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -27,14 +27,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from solutions.core.block_manager import cdiv
-from solutions.core.block_pool import BlockPool
 from solutions.core.kv_cache_manager import KVCacheManager
 from solutions.core.sched.output import SchedulerOutput
 from solutions.core.sched.scheduler import advance_computed_tokens
 from solutions.core.sequence import Sequence
 from solutions.kv_offload.swap import num_group_blocks, swap_in, swap_out
 from solutions.outputs import FinishReason
+from solutions.utils.math_utils import cdiv
 
 
 @dataclass(slots=True)
@@ -140,7 +139,7 @@ def _num_generated(beams: list[Beam]) -> int:
 
 
 def _swap_beam_groups(
-    manager: KVCacheManager, swap_pool: BlockPool, live: list[list[Beam]], active: list[int], swapped: list[int],
+    manager: KVCacheManager, live: list[list[Beam]], active: list[int], swapped: list[int],
     scheduler_output: SchedulerOutput,
 ) -> None:
     """Chapter 11 for beam search: bring swapped-out prompts' beams back while they fit beside the rest, oldest first;
@@ -161,6 +160,7 @@ def _swap_beam_groups(
     def room() -> int:  # free device blocks left once the beams on the device have stepped
         return manager.num_free_blocks - sum(blocks_needed(p) for p in on_device)
 
+    swap_pool = manager.swap_pool
     on_device = [p for p in active if p not in swapped]
     while swapped and (not on_device or room() >= num_group_blocks(group(swapped[0])) + len(live[swapped[0]])):
         p = swapped.pop(0)  # with nothing on the device it comes back anyway: if it cannot fit, the allocation says so
@@ -183,7 +183,6 @@ def run_beam_search(
     max_model_len: int,
     seq_ids: Iterator[int] | None = None,
     on_step=None,
-    swap_pool: BlockPool | None = None,
 ) -> list[list[BeamSearchSequence]]:
     """Beam search for every prompt at once, one forward pass per step for all live beams of all prompts.
 
@@ -193,10 +192,10 @@ def run_beam_search(
     `on_step(manager, beams)` is called after each step's allocation (for memory measurements). Returns, per
     prompt, its beams best first (text not filled in). Raises ValueError if the KV cache cannot hold the beams.
 
-    With a `swap_pool` (chapter 11's `preemption_mode="swap"`), the beams of one prompt are a sequence group: when
-    the step's beams would not fit, the last prompts' groups are swapped out whole (shared blocks once) and wait
-    there, each swapped back in once the device has room for it; only beams on the device step. Without one, or
-    if a single prompt's beams do not fit alone, the cache must hold them: ValueError.
+    With a swap pool (`manager.swap_pool`, chapter 11's `preemption_mode="swap"`), the beams of one prompt are a
+    sequence group: when the step's beams would not fit, the last prompts' groups are swapped out whole (shared
+    blocks once) and wait there, each swapped back in once the device has room for it; only beams on the device
+    step. Without one, or if a single prompt's beams do not fit alone, the cache must hold them: ValueError.
     """
     seq_ids = itertools.count() if seq_ids is None else seq_ids
     eos = None if params.ignore_eos else eos_token_id
@@ -214,8 +213,8 @@ def run_beam_search(
             scheduler_output = SchedulerOutput()
             if manager.offloading is not None:
                 manager.offloading.complete_transfers()  # the previous step has run
-            if swap_pool is not None:
-                _swap_beam_groups(manager, swap_pool, live, active, swapped, scheduler_output)
+            if manager.swap_pool is not None:
+                _swap_beam_groups(manager, live, active, swapped, scheduler_output)
                 active = [p for p in active if p not in swapped]
             batch = [beam for p in active for beam in live[p]]
             for beam in batch:
@@ -257,6 +256,7 @@ def run_beam_search(
         for p, beams in enumerate(live):
             for beam in beams:
                 if p in swapped:
+                    swap_pool = manager.swap_pool
                     swap_pool.free_blocks(swap_pool.blocks[b] for b in reversed(beam.seq.block_table))
                     beam.seq.block_table.clear()
                 else:

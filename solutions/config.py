@@ -7,7 +7,7 @@ a check. The parts follow vLLM's split, so each layer takes the parts it needs:
     model_config      which checkpoint, its architecture (`hf_config`), dtype, context limit, seed, who attends
     cache_config      the KV cache: block size, how many blocks, prefix caching, which KV cache manager
     scheduler_config  one step's limits: sequences, tokens, prefill chunk; FCFS or priority
-    parallel_config   tensor parallelism: how many ranks, who starts them
+    parallel_config   tensor parallelism: how many ranks, who starts them; data parallelism: how many replicas
     device_config     where the weights, the cache and the activations live
     speculative_config  speculative decoding: how drafts are proposed, how many per step (None: off)
 
@@ -19,13 +19,16 @@ Where this lives in vLLM: `vllm/config/` (`VllmConfig`, `ModelConfig`, `CacheCon
 """
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from solutions.core.sched.request_queue import SchedulingPolicy
 from solutions.model import config as hf
 
+# The admission order, named as the flag spells it; the scheduler turns it into its queue (`SchedulingPolicy`).
+SchedulerPolicy = Literal["fcfs", "priority"]
+# Which replica takes a new sequence under data parallelism (chapter 12); `core/sched/placement.py` builds it.
+DataParallelPlacement = Literal["round_robin", "least_loaded", "prefix", "approx_prefix"]
 PAGED_KV_CACHE_MANAGER = "solutions.core.kv_cache_manager.KVCacheManager"
 
 
@@ -66,6 +69,12 @@ class CacheConfig:
     num_swap_blocks: int = 0  # blocks (from `swap_space`)
     num_offload_blocks: int = 0  # the prefix cache's host tier, in blocks (from `kv_offloading_size`; 0: off)
 
+    @property
+    def swapping(self) -> bool:
+        """Does preemption swap groups out to a host pool of `num_swap_blocks`? Decided here once: the KV cache
+        manager's swap pool and the runner's host cache are made from it."""
+        return self.preemption_mode == "swap"
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -75,17 +84,20 @@ class SchedulerConfig:
     max_num_batched_tokens: int  # the token budget of one step
     max_model_len: int
     long_prefill_token_threshold: int  # at most this many tokens of one sequence per step (chunked prefill)
-    policy: SchedulingPolicy
+    policy: SchedulerPolicy
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     """Tensor parallelism: `tensor_parallel_size` ranks, started by this process ("mp", with
-    `worker_multiproc_method`) or by torchrun ("external_launcher")."""
+    `worker_multiproc_method`) or by torchrun ("external_launcher"). Data parallelism: `data_parallel_size` whole
+    replicas, started by this process, each with the cache and step limits the other configs give one engine."""
 
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
     worker_multiproc_method: str = "spawn"
+    data_parallel_size: int = 1  # model replicas, each a worker process with its own KV block pool
+    data_parallel_placement: DataParallelPlacement = "prefix"  # which replica takes a new sequence
 
 
 @dataclass(frozen=True)

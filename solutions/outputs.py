@@ -4,6 +4,11 @@ from dataclasses import dataclass
 from enum import Enum
 
 
+# A chunk of a prompt's logprobs, as the runner computes it and the engine core sends it: (the prompt position of its
+# first token, then per token (top, (logprob, rank))).
+PromptLogprobsChunk = tuple[int, list[tuple[list[tuple[int, float]], tuple[float, int]]]]
+
+
 class FinishReason(str, Enum):
     """Why a completion ended; a `str` subclass, so `reason == "length"` works as in vLLM."""
 

@@ -139,7 +139,8 @@ def test_beam_groups_are_swapped_out_whole_when_the_cache_is_short(name):
     for prompt, output in zip(prompts, outputs, strict=True):
         assert [beam.tokens for beam in output.sequences] == hf_beams(folder, prompt, 3, 16)
     assert core.scheduler.kv_cache_manager.num_used_blocks == 0
-    assert core.scheduler.swap_pool.num_free_blocks == core.scheduler.swap_pool.num_blocks
+    swap_pool = core.scheduler.kv_cache_manager.swap_pool
+    assert swap_pool.num_free_blocks == swap_pool.num_blocks
     with pytest.raises(ValueError, match="cannot hold"):
         LLM(model=str(folder), block_size=4, num_kv_blocks=32).beam_search(prompts, params)
 

@@ -9,9 +9,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from solutions.core.block_manager import BlockManager, cdiv, slot_mapping
+from solutions.core.block_manager import BlockManager, slot_mapping
 from solutions.core.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 from solutions.core.sequence import Sequence, SequenceStatus
+from solutions.utils.math_utils import cdiv
 
 
 def free_ids(pool: BlockPool) -> list[int]:

@@ -201,6 +201,24 @@ def test_padded_decode_path_gives_the_eager_tokens_and_serves_every_decode_step(
     assert runner.cuda_graphs.num_replays == GREEDY.max_tokens - 1, "every step after the prefill is a pure decode"
 
 
+def test_compiled_forward_in_the_padded_decode_path_gives_the_eager_tokens():
+    """What a GPU captures when it compiles (issue 42): the compiled forward pass (inductor; attention an opaque op
+    calling the Triton backend) and the LM head over the static buffers, for prefills unpadded and for every decode
+    step padded to its bucket. Run here on whatever device is present, without capture."""
+    from solutions.worker.compiled_forward import CompiledForward
+
+    want = greedy_tokens(tiny_llm(attention_backend="triton", device=DEVICE.type, enforce_eager=True))
+    llm = tiny_llm(attention_backend="triton", device=DEVICE.type, enforce_eager=True)
+    runner = runner_of(llm)
+    runner.compiled_forward = CompiledForward(runner.model)
+    runner.warm_up()  # as a GPU's runner does before capturing: dummy prefill and decode steps, compiled
+    runner.cuda_graphs = CUDAGraphRunner(runner.model, runner.kv_cache, max_num_seqs=8, max_model_len=128,
+                                         block_size=16, capture=False, compiled_forward=runner.compiled_forward)
+    assert greedy_tokens(llm) == want
+    assert runner.cuda_graphs.num_replays == GREEDY.max_tokens - 1
+    assert runner.compiled_forward.compile_seconds > 0, "the forward pass ran compiled"
+
+
 def test_padding_rows_never_write_the_cache():
     from grading.tiny_models import tiny_model
 

@@ -18,8 +18,8 @@ from benchmarks.workload import (
     sample_lengths,
     sharegpt_like_requests,
 )
-from solutions.core.block_manager import cdiv
 from solutions.baselines.contiguous_allocator import ReservationPolicy
+from solutions.utils.math_utils import cdiv
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -44,7 +44,7 @@ def test_part_a_times_every_block_size_both_ways():
     assert [(r["block_size"], r["num_blocks"]) for r in rows] == [(1, 40), (16, 3)]
     for row in rows:
         for key in ("recompute_s", "batched_out_s", "batched_in_s", "batched_in_out_s", "per_block_out_s",
-                    "per_block_in_s", "per_block_in_out_s"):
+                    "per_block_in_s", "per_block_in_out_s", "copy_out_s", "copy_in_s"):
             assert len(row[key]) == 2 and all(t > 0 for t in row[key]), key
 
 

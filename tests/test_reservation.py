@@ -5,7 +5,7 @@ import pytest
 
 from grading.tiny_models import tiny_checkpoint
 from solutions import LLM, SamplingParams
-from solutions.core.block_manager import cdiv
+from solutions.utils.math_utils import cdiv
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 64

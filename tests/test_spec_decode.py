@@ -12,7 +12,6 @@ from grading.parity import assert_greedy_close, hf_greedy, hf_oracle
 from grading.tiny_models import tiny_checkpoint
 from solutions import LLM, FinishReason, SamplingParams
 from solutions.core.block_hash import extend_block_hashes
-from solutions.core.block_manager import cdiv
 from solutions.core.kv_cache_manager import KVCacheManager
 from solutions.core.sched.output import DraftTokenIds, ModelRunnerOutput
 from solutions.core.sched.scheduler import Scheduler
@@ -21,6 +20,7 @@ from solutions.engine.arg_utils import EngineArgs
 from solutions.exceptions import ParameterError
 from solutions.model.loader import resolve_model
 from solutions.sampling_params import StructuredOutputsParams
+from solutions.utils.math_utils import cdiv
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)

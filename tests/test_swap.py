@@ -27,7 +27,7 @@ from solutions.core.sched.output import SchedulerOutput
 from solutions.core.sched.scheduler import Scheduler
 from solutions.core.sequence import Sequence, SequenceStatus
 from solutions.kv_offload.swap import num_group_blocks, swap_in, swap_out
-from solutions.kv_offload.transfer import swap_blocks
+from solutions.kv_offload.transfer import KVTransfer, swap_blocks
 from solutions.model.config import ModelConfig as HFConfig
 from solutions.sampling_params import RequestOutputKind
 
@@ -94,8 +94,8 @@ def assert_no_block_held(llm: LLM) -> None:
     manager = scheduler.kv_cache_manager
     assert manager.num_used_blocks == 0, "device blocks leaked"
     assert not scheduler.swapped and not scheduler.running and not scheduler.waiting
-    if scheduler.swap_pool is not None:
-        assert scheduler.swap_pool.num_free_blocks == scheduler.swap_pool.num_blocks, "swap-pool blocks leaked"
+    if (swap_pool := scheduler.kv_cache_manager.swap_pool) is not None:
+        assert swap_pool.num_free_blocks == swap_pool.num_blocks, "swap-pool blocks leaked"
     if manager.offloading is not None:
         assert all(block.ref_cnt == 0 for block in manager.offloading.host_pool.blocks), "host-tier blocks held"
 
@@ -226,8 +226,8 @@ def test_a_swapped_out_sequences_blocks_join_the_free_queue_last_block_first_and
 
 def test_preempting_a_group_by_recompute_queues_all_of_it_first_in_running_order():
     manager = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE, enable_prefix_caching=False)
-    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=64,
-                          swap_pool=BlockPool(2))
+    manager.enable_swapping(2)
+    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=64)
     group = forked_group(manager)
     waiting = Sequence(9, [1, 2, 3])
     scheduler.add_seq(waiting)
@@ -255,6 +255,73 @@ def test_swap_blocks_copies_the_pairs_in_every_layer_and_nothing_else():
             assert torch.equal(target[d], source[s])
         for untouched in (2, 4):
             assert torch.equal(target[untouched], old[untouched])
+
+
+def random_caches(num_src_blocks: int, num_dst_blocks: int, seed: int = 0) -> tuple[KVCache, KVCache]:
+    shape = SimpleNamespace(num_hidden_layers=3, num_key_value_heads=2, head_dim=4)
+    src, dst = KVCache.allocate(shape, num_src_blocks, BLOCK_SIZE), KVCache.allocate(shape, num_dst_blocks, BLOCK_SIZE)
+    generator = torch.Generator().manual_seed(seed)
+    for cache in src.key_caches + src.value_caches + dst.key_caches + dst.value_caches:
+        cache.copy_(torch.randn(cache.shape, generator=generator))
+    return src, dst
+
+
+def copy_per_block(src: KVCache, dst: KVCache, pairs: list[tuple[int, int]]) -> None:
+    """The oracle: one block at a time, every cache tensor."""
+    for source, target in zip(src.key_caches + src.value_caches, dst.key_caches + dst.value_caches, strict=True):
+        for s, d in pairs:
+            target[d] = source[s]
+
+
+def copies_like_the_oracle(copy, pairs: list[tuple[int, int]], num_dst_blocks: int = 5) -> bool:
+    src, dst = random_caches(6, num_dst_blocks)
+    expected = KVCache([c.clone() for c in dst.key_caches], [c.clone() for c in dst.value_caches])
+    copy_per_block(src, expected, pairs)
+    copy(src, dst, pairs)
+    return all(torch.equal(got, want) for got, want in zip(dst.key_caches + dst.value_caches,
+                                                          expected.key_caches + expected.value_caches, strict=True))
+
+
+@pytest.mark.parametrize("pairs", [
+    [],
+    [(3, 0)],
+    [(0, 3), (5, 1), (2, 0)],
+    [(4, 0), (4, 2), (1, 1), (4, 4)],  # one source block read three times (a block shared by a group's samples)
+    [(5, 4), (4, 3), (3, 2), (2, 1), (1, 0)],  # every destination, sources in reverse
+])
+def test_swap_blocks_makes_the_copies_one_block_at_a_time_would(pairs):
+    assert copies_like_the_oracle(swap_blocks, pairs)
+
+
+def test_a_batched_copy_that_pairs_the_wrong_blocks_is_caught():
+    """Mutants of the batched copy: its gather in sorted order (the scatter not), or the ids of source and
+    destination crossed. The oracle comparison above must fail them."""
+    pairs = [(5, 1), (0, 3), (2, 0)]
+
+    def sorted_sources(src, dst, pairs):
+        swap_blocks(src, dst, list(zip(sorted(s for s, _ in pairs), (d for _, d in pairs), strict=True)))
+
+    def crossed_ids(src, dst, pairs):
+        swap_blocks(src, dst, [(d, s) for s, d in pairs])
+
+    assert copies_like_the_oracle(swap_blocks, pairs, num_dst_blocks=6)
+    assert not copies_like_the_oracle(sorted_sources, pairs, num_dst_blocks=6)
+    assert not copies_like_the_oracle(crossed_ids, pairs, num_dst_blocks=6)
+
+
+def test_a_steps_transfers_run_in_order_and_are_done_once_waited_for():
+    """The runner's stores and swap-outs read device blocks that its swap-ins then overwrite: in the order given.
+    On the CPU `start` copies at once and `wait` has nothing to wait for."""
+    device, host = random_caches(4, 4, seed=1)
+    before = KVCache([c.clone() for c in device.key_caches], [c.clone() for c in device.value_caches])
+    transfer = KVTransfer(torch.device("cpu"))
+    transfer.start([(device, host, [(0, 2), (1, 3)]), (host, device, [(2, 1)]), (host, device, [])])
+    transfer.wait()
+    for d, h, old in zip(device.key_caches + device.value_caches, host.key_caches + host.value_caches,
+                         before.key_caches + before.value_caches, strict=True):
+        assert torch.equal(h[2], old[0]) and torch.equal(h[3], old[1]), "swapped out before the swap-in wrote"
+        assert torch.equal(d[1], old[0]), "block 1 came back holding what block 0 held"
+        assert torch.equal(d[0], old[0]) and torch.equal(d[2], old[2])
 
 
 # --- 3. the scheduler's rules ------------------------------------------------------------------------------------
@@ -289,7 +356,7 @@ def test_a_full_host_pool_falls_back_to_recomputation_with_the_same_tokens(num_h
     model = "llama-gqa"
     folder = str(tiny_checkpoint(model))
     llm = LLM(folder, **PRESSURE, preemption_mode="swap", swap_space=host_gib(model, num_host_blocks))
-    assert core(llm).scheduler.swap_pool.num_blocks == num_host_blocks
+    assert core(llm).scheduler.kv_cache_manager.swap_pool.num_blocks == num_host_blocks
     prompts = random_prompts(8, 4, 20, seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outputs = run(llm, prompts, params)
@@ -359,19 +426,20 @@ def test_a_storm_of_requests_and_aborts_leaves_no_block_held(host_tier):
 def test_finishing_a_swapped_sequence_frees_its_host_blocks():
     """The scheduler's `finish` of a SWAPPED sequence: host references dropped, the group shrinks, then goes."""
     manager = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE, enable_prefix_caching=False)
+    manager.enable_swapping(8)
     scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=64,
-                          max_model_len=128, swap_pool=BlockPool(8))
+                          max_model_len=128)
     group = forked_group(manager)
-    swap_out(manager.block_pool, scheduler.swap_pool, group)
+    swap_out(manager.block_pool, manager.swap_pool, group)
     for seq in group:
         seq.status = SequenceStatus.SWAPPED
     scheduler.swapped.append(group)
     first, second, third = list(group)
     scheduler.finish(second, SequenceStatus.FINISHED_ABORTED)
-    assert scheduler.swapped == [[first, third]] and scheduler.swap_pool.num_free_blocks == 8 - 4 + 1
+    assert scheduler.swapped == [[first, third]] and manager.swap_pool.num_free_blocks == 8 - 4 + 1
     scheduler.finish(first, SequenceStatus.FINISHED_ABORTED)
     scheduler.finish(third, SequenceStatus.FINISHED_ABORTED)
-    assert scheduler.swapped == [] and scheduler.swap_pool.num_free_blocks == 8
+    assert scheduler.swapped == [] and manager.swap_pool.num_free_blocks == 8
     assert manager.num_used_blocks == 0
 
 
@@ -433,9 +501,8 @@ def test_a_group_member_already_in_the_batch_is_swapped_out_from_the_block_its_c
     shares with its sibling C; then a later sequence runs out of blocks and C's group is the victim. P leaves the
     batch, its copy is dropped, so D was never written: P's swap-out must read S."""
     manager = KVCacheManager(num_blocks=6, block_size=4)
-    scheduler = Scheduler(
-        manager, max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=64, swap_pool=BlockPool(16)
-    )
+    manager.enable_swapping(16)
+    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=64)
 
     def running(seq_id: int, num_tokens: int, request_id: str) -> Sequence:
         seq = Sequence(seq_id, list(range(1, num_tokens + 1)))

@@ -1,5 +1,7 @@
-"""The throughput benchmark's pure-Python parts: how two engines' greedy streams are compared, and its options."""
+"""The throughput benchmark's pure-Python parts (how two engines' greedy streams are compared, its options), and its
+rows' code paths on tiny models on the CPU (Hugging Face's padded static shapes, the step ledger, the op count)."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -7,14 +9,22 @@ from pathlib import Path
 import torch
 
 from benchmarks.throughput import (
+    HF_DYNAMIC,
+    best_hf,
     decode_kv_bytes,
     flops_per_token,
     matmul_gflops,
+    ops_per_decode_step,
     reachable_roofline_fraction,
+    run_hf_systems,
     serial_roofline_fraction,
+    step_ledger,
     stream_gbytes_per_s,
     token_agreement,
 )
+from grading.tiny_models import hf_model, tiny_checkpoint
+from solutions import LLM, SamplingParams
+from solutions.metrics.stats import STEP_STAGES
 
 
 def test_token_agreement_counts_positions_prefixes_and_identical_requests():
@@ -94,3 +104,43 @@ def test_stream_rate_is_a_plausible_memory_bandwidth():
 def test_matmul_probe_runs_eagerly_and_pre_packed():
     for packed in (False, True):
         assert matmul_gflops(8, 32, 48, packed=packed, windows=2, seconds=0.01) > 0
+
+
+# --- on tiny models: the rows' code paths run on the CPU ----------------------------------------------------------
+
+
+def test_hugging_face_rows_run_padded_to_one_shape_and_save_as_json(tmp_path):
+    """The GPU section's Hugging Face rows (dynamic cache, static cache + compile in batches of 32 and in one of 64)
+    run on the CPU on a tiny model: every request gets its tokens, the padded static shapes generate what the
+    dynamic cache does, and the rows are JSON."""
+    hf = hf_model(tiny_checkpoint("llama-gqa"))
+    prompts = [[(5 * i + j) % 250 + 3 for j in range(4 + 3 * i)] for i in range(5)]
+    output_lens = [3, 6, 2, 5, 4]
+    systems = run_hf_systems(hf, prompts, output_lens, pad_id=0)
+    assert list(systems) == [HF_DYNAMIC, "HF static cache + torch.compile", "HF static + compile, batch 64"]
+    for row in systems.values():
+        assert row["useful_tokens"] == sum(output_lens) and row["seconds"] > 0
+        assert row["outputs"] == systems[HF_DYNAMIC]["outputs"]
+    assert "compile_seconds" in systems["HF static + compile, batch 64"]
+    assert best_hf(systems) in systems
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(systems))
+    assert json.loads(path.read_text())[HF_DYNAMIC]["useful_tokens"] == sum(output_lens)
+
+
+def test_step_ledger_and_ops_per_decode_step_of_an_engine():
+    llm = LLM(str(tiny_checkpoint("llama-gqa")), max_num_seqs=4, max_model_len=256, seed=0)
+    llm.generate([[3, 4, 5], [6, 7]], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    ledger = step_ledger(llm.llm_engine.stats.steps)
+    assert list(ledger) == [*STEP_STAGES, "host"]
+    assert ledger["host"] == ledger["schedule"] + ledger["prepare"] + ledger["postprocess"]
+    ops = ops_per_decode_step(llm)
+    assert ops > 10  # two layers of attention and MLP, the LM head, the sampler: each at least one op
+    assert not llm.llm_engine.has_unfinished_requests()  # its request is aborted after the count
+    assert ops_per_decode_step(llm) == ops  # the same step, the same ops
+
+
+def test_cuda_run_without_a_gpu_says_skipped():
+    run = subprocess.run([sys.executable, "-m", "benchmarks.throughput", "--device", "cuda", "--quick"],
+                         capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
+    assert run.returncode == 0 and "skipped: no GPU" in run.stdout

@@ -22,9 +22,10 @@ from solutions import LLM, SamplingParams, StructuredOutputsParams
 from solutions.core import kv_cache_manager
 from solutions.core.sched import output as output_module
 from solutions.core.sched import scheduler as scheduler_module
-from solutions.core.sched.output import EngineCoreOutputs, SchedulerOutput
+from solutions.core.sched.output import SchedulerOutput
 from solutions.core.sched.request_queue import SchedulingPolicy
 from solutions.core.sequence import Sequence, SequenceStatus
+from solutions.engine import EngineCoreOutputs
 from solutions.engine import core as core_module
 from solutions.engine.arg_utils import EngineArgs
 from solutions.engine.llm_engine import LLMEngine

@@ -14,7 +14,6 @@ import pytest
 from grading import exercising, expect_equal
 from grading.capstone import CAPSTONE_PROMPTS, generate_batch, smollm2, smollm2_greedy, swap_in
 from solutions.attention.paged import KVCache
-from solutions.core.block_pool import BlockPool
 from solutions.core.kv_cache_manager import KVCacheManager
 from solutions.core.sched import scheduler as scheduler_module
 from solutions.core.sched.output import SchedulerOutput
@@ -43,7 +42,7 @@ DECISIVE = {
         "victim = scheduler.running[-1]",
         "victim = max(scheduler.running, key=lambda s: (s.priority, s.arrival, s.seq_id))",
         "group = scheduler.group_of(victim)",
-        "fits_host = num_blocks <= scheduler.swap_pool.num_free_blocks",
+        "fits_host = num_blocks <= scheduler.kv_cache_manager.swap_pool.num_free_blocks",
         "can_return = num_blocks + len(group) <= scheduler.kv_cache_manager.num_blocks",
     ],
     "schedule_swapped": [
@@ -84,8 +83,9 @@ def running_set(
     forked into samples 0, 1, 2, each with one new token (the prompt's blocks A, B, C shared: 3 distinct blocks).
     `priorities` = (q's, r's). Returns (scheduler, [seq 5, sample 0, 1, 2], a description)."""
     manager = KVCacheManager(num_device_blocks, BLOCK_SIZE, enable_prefix_caching=False)
+    manager.enable_swapping(num_host_blocks)
     scheduler = Scheduler(manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
-                          long_prefill_token_threshold=64, policy=policy, swap_pool=BlockPool(num_host_blocks))
+                          long_prefill_token_threshold=64, policy=policy)
     first = Sequence(5, [1, 2, 3, 4], priority=priorities[0], arrival=0)
     first.request_id = "q"
     assert manager.allocate_slots(first, 4) is not None
@@ -148,7 +148,7 @@ def test_select_preemption_swaps_into_a_host_pool_of_exactly_the_groups_blocks(i
 @pytest.mark.exercise("select_preemption")
 def test_select_preemption_counts_free_host_blocks_not_the_host_pools_size(impl):
     scheduler, _, inputs = running_set(num_host_blocks=4)
-    scheduler.swap_pool.get_new_blocks(2)  # another group is out already
+    scheduler.kv_cache_manager.swap_pool.get_new_blocks(2)  # another group is out already
     inputs += "; 2 of the 4 host blocks hold another swapped group"
     expect_equal(run_select(impl, scheduler, inputs), ([0, 1, 2], PreemptionMode.RECOMPUTE),
                  inputs=f"{inputs}; (the group's seq ids, the mode)")
@@ -487,7 +487,7 @@ def capstone_swap_run() -> tuple[list[list[list[int]]], int, int, int, int]:
     outputs = generate_batch(engine, requests)
     scheduler = engine.engine_core.engine_core.scheduler
     tokens = [[sample.token_ids for sample in output.outputs] for output in outputs]
-    host = scheduler.swap_pool
+    host = scheduler.kv_cache_manager.swap_pool
     return tokens, engine.stats.num_preemptions, engine.stats.num_swapped_out, \
         scheduler.kv_cache_manager.num_used_blocks, len(host.blocks) - host.num_free_blocks
 

@@ -76,7 +76,9 @@ class AttentionMetadata:
     @functools.cached_property
     def block_table_tensor(self) -> torch.Tensor:
         """The block tables as one (B, max_blocks) int32 tensor, rows padded with block 0 (a real block that is
-        never read past `seq_lens[b]`), as kernels take them. Built once per step, on first use."""
+        never read past `seq_lens[b]`), as kernels take them. Built from the lists on first use, unless set: the
+        model runner sets it from its persistent block table (`solutions/worker/block_table.py`), which writes
+        only what changed since the last step."""
         width = max((len(table) for table in self.block_tables), default=0)
         rows = [table + [0] * (width - len(table)) for table in self.block_tables]
         return torch.tensor(rows, dtype=torch.int32).reshape(len(rows), width)  # (B, max_blocks)

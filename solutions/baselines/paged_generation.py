@@ -12,10 +12,11 @@ same step inside `ModelRunner.execute_model`, with a backend that batches the de
 import torch
 
 from solutions.attention.paged import KVCache, PagedAttention
-from solutions.core.block_manager import BlockManager, cdiv
+from solutions.core.block_manager import BlockManager
 from solutions.core.sched.output import SchedulerOutput
 from solutions.core.sequence import Sequence, SequenceStatus
 from solutions.model.llama import LlamaForCausalLM
+from solutions.utils.math_utils import cdiv
 from solutions.worker.model_runner import prepare_inputs
 
 

@@ -28,10 +28,10 @@ vLLM has no such mode; its paper's Orca numbers come from a separate implementat
 """
 
 from solutions.baselines.contiguous_allocator import ReservationPolicy, reserved_length
-from solutions.core.block_manager import cdiv
 from solutions.core.block_pool import KVCacheBlock
 from solutions.core.kv_cache_manager import KVCacheManager
 from solutions.core.sequence import Sequence
+from solutions.utils.math_utils import cdiv
 
 # `kv_reservation=` names for the engine and the server (the paper's Orca (Max) / (Pow2) / (Oracle)).
 KV_RESERVATIONS: dict[str, ReservationPolicy] = {

@@ -18,11 +18,7 @@ of our allocation verbs and returns None where we answer False) and `vllm/v1/cor
 
 from solutions.core.block_pool import BlockPool
 from solutions.core.sequence import Sequence
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division for non-negative ints: the number of blocks needed for `a` tokens."""
-    return -(-a // b)
+from solutions.utils.math_utils import cdiv
 
 
 def slot_mapping(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:

@@ -27,10 +27,11 @@ vLLM v1 runs n samples as separate requests and shares their prompt through the 
 from dataclasses import dataclass
 
 from solutions.core.block_hash import extend_block_hashes
-from solutions.core.block_manager import BlockManager, cdiv
-from solutions.core.block_pool import KVCacheBlock
+from solutions.core.block_manager import BlockManager
+from solutions.core.block_pool import BlockPool, KVCacheBlock
 from solutions.core.sequence import Sequence
 from solutions.kv_offload.manager import CPUOffloadingManager
+from solutions.utils.math_utils import cdiv
 
 
 @dataclass(slots=True)
@@ -65,7 +66,10 @@ class KVCacheManager(BlockManager):
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache_stats = PrefixCacheStats()
         self.num_blocks_copied = 0  # copy-on-write copies made (each: one block, every layer, K and V)
-        self.offloading: CPUOffloadingManager | None = None  # the prefix cache's host tier (chapter 11)
+        # chapter 11, host memory behind the device pool (None: off): the prefix cache's host tier, and the pool
+        # preempted groups are swapped out to
+        self.offloading: CPUOffloadingManager | None = None
+        self.swap_pool: BlockPool | None = None
 
     def enable_offloading(self, num_host_blocks: int) -> None:
         """Chapter 11: keep the blocks the device pool evicts in a host pool of `num_host_blocks` (LRU there)."""
@@ -73,6 +77,11 @@ class KVCacheManager(BlockManager):
             raise ValueError("the host tier keeps blocks by their prefix hash: it needs enable_prefix_caching=True")
         self.offloading = CPUOffloadingManager(num_host_blocks)
         self.block_pool.on_evict = self.offloading.on_evict
+
+    def enable_swapping(self, num_swap_blocks: int) -> None:
+        """Chapter 11: a host pool of `num_swap_blocks` for preempted groups swapped out whole (`kv_offload/swap.py`
+        moves the blocks). The manager owns the pool; which group goes and when it comes back is the scheduler's."""
+        self.swap_pool = BlockPool(num_swap_blocks)
 
     # sharing ------------------------------------------------------------------------------------------------------
 

@@ -69,7 +69,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "token_ids", "num_prompt_tokens", "status", "block_table", "num_computed_tokens", "block_hashes",
         "priority", "arrival", "fork_seq_ids", "request_id", "sample_index", "sampling_params", "seed", "generator",
-        "grammar", "spec_token_ids",
+        "grammar", "spec_token_ids", "replica",
     )
 
     def __init__(
@@ -94,6 +94,7 @@ class Sequence:
         self.generator: torch.Generator | None = None
         self.grammar: Any = None  # a StructuredOutputGrammar
         self.spec_token_ids: list[int] = []  # draft tokens to verify at the next step
+        self.replica: int | None = None  # data parallelism: the replica it runs on for life, None until placed
 
     @property
     def num_tokens(self) -> int:
@@ -139,6 +140,7 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.block_hashes = list(self.block_hashes)
         child.request_id, child.sampling_params = self.request_id, self.sampling_params
+        child.replica = self.replica  # a fork shares its parent's blocks, so it runs on its parent's replica
         return child
 
     def __getstate__(self) -> dict[str, Any]:

@@ -17,27 +17,29 @@ import json
 import os
 import types
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import Any, Self, get_args
 
 import torch
 
+from solutions.attention.registry import ATTENTION_BACKENDS
 from solutions.config import (
     CacheConfig,
+    DataParallelPlacement,
     DeviceConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SchedulerPolicy,
     SpeculativeConfig,
     VllmConfig,
 )
-from solutions.core.block_manager import cdiv
-from solutions.core.sched.request_queue import SchedulingPolicy
 from solutions.exceptions import ParameterError
 from solutions.model.config import ModelConfig as HFConfig
 from solutions.model.loader import DEFAULT_MODEL, resolve_model
-from solutions.worker.model_runner import ATTENTION_BACKENDS
+from solutions.utils.math_utils import cdiv
 
-SCHEDULING_POLICIES = tuple(policy.value for policy in SchedulingPolicy)
+SCHEDULING_POLICIES = get_args(SchedulerPolicy)
+PLACEMENT_POLICIES = get_args(DataParallelPlacement)
 DEVICES = ("cpu", "cuda")
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "external_launcher")  # workers this process starts; every rank by torchrun
 WORKER_MULTIPROC_METHODS = ("spawn", "fork")
@@ -70,6 +72,8 @@ class EngineArgs:
     (chapter 6's kernels; on a GPU, pure-decode steps replay CUDA graphs). `kv_reservation` turns the engine into
     chapter 2's Orca baselines (each request admitted with blocks for its whole reserved length).
     `tensor_parallel_size=N` splits the model over N processes (chapter 9), started by this one or by torchrun.
+    `data_parallel_size=N` runs N whole replicas in worker processes, each with the cache and step limits above,
+    one scheduler placing each sequence on one of them (`data_parallel_placement`, chapter 12).
     `speculative_config` turns on speculative decoding, as vLLM's keyword: `{"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_max": 4}`, or `{"method": "draft_model",
     "num_speculative_tokens": 4, "num_draft_layers": 8}` (`SpeculativeConfig`). Chapter 11: `preemption_mode="swap"`
@@ -98,6 +102,10 @@ class EngineArgs:
     tensor_parallel_size: int = field(default=1, metadata=_help("ranks the model is split over"))
     distributed_executor_backend: str = field(default="mp", metadata=_help(f"one of {DISTRIBUTED_EXECUTOR_BACKENDS}"))
     worker_multiproc_method: str = field(default="spawn", metadata=_help(f"one of {WORKER_MULTIPROC_METHODS}"))
+    data_parallel_size: int = field(default=1, metadata=_help("model replicas, each with its own KV block pool"))
+    data_parallel_placement: str = field(
+        default="prefix", metadata=_help(f"which replica a new sequence runs on: one of {PLACEMENT_POLICIES}")
+    )
     speculative_config: dict | None = field(
         default=None,
         metadata=_help(f"speculative decoding as JSON, each method's keys {SPECULATIVE_KEYS} (default: off)"),
@@ -117,7 +125,7 @@ class EngineArgs:
             ("scheduling_policy", SCHEDULING_POLICIES), ("attention_backend", ATTENTION_BACKENDS), ("device", DEVICES),
             ("dtype", tuple(DTYPES)), ("distributed_executor_backend", DISTRIBUTED_EXECUTOR_BACKENDS),
             ("worker_multiproc_method", WORKER_MULTIPROC_METHODS), ("preemption_mode", PREEMPTION_MODES),
-            ("kv_offloading_backend", KV_OFFLOADING_BACKENDS),
+            ("kv_offloading_backend", KV_OFFLOADING_BACKENDS), ("data_parallel_placement", PLACEMENT_POLICIES),
         ):
             _one_of(name, getattr(self, name), allowed)
         if self.kv_reservation is not None:
@@ -128,7 +136,7 @@ class EngineArgs:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ParameterError(f"seed must be an int, got {self.seed!r}", "seed")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
-                     "tensor_parallel_size"):
+                     "tensor_parallel_size", "data_parallel_size"):
             _positive_int(name, getattr(self, name))
         for name in ("num_kv_blocks", "max_model_len", "long_prefill_token_threshold", "cpu_threads"):
             if getattr(self, name) is not None:
@@ -152,6 +160,24 @@ class EngineArgs:
         if self.speculative_config is not None:
             self._check_speculative_config()
         self._check_host_memory()
+        if self.data_parallel_size > 1:
+            self._check_data_parallel()
+
+    def _check_data_parallel(self) -> None:
+        """What data parallelism does not run with (ParameterError naming the field): each replica is one whole
+        model in one worker process, so no tensor parallelism inside it and no torchrun around it; speculative
+        decoding and the reserving baselines run on one replica."""
+        conflicts = (
+            ("tensor_parallel_size", self.tensor_parallel_size != 1,
+             f"tensor_parallel_size={self.tensor_parallel_size}"),
+            ("distributed_executor_backend", self.distributed_executor_backend != "mp",
+             f"distributed_executor_backend={self.distributed_executor_backend!r} (this process starts the replicas)"),
+            ("speculative_config", self.speculative_config is not None, "speculative_config"),
+            ("kv_reservation", self.kv_reservation is not None, f"kv_reservation={self.kv_reservation!r}"),
+        )
+        for name, conflict, what in conflicts:
+            if conflict:
+                raise ParameterError(f"data_parallel_size={self.data_parallel_size} does not run with {what}", name)
 
     def _check_host_memory(self) -> None:
         """Chapter 11's sizes, and what they do not run with (ParameterError naming the field)."""
@@ -265,10 +291,11 @@ class EngineArgs:
             scheduler_config=SchedulerConfig(
                 self.max_num_seqs, self.max_num_batched_tokens, max_model_len,
                 self.long_prefill_token_threshold or self.max_num_batched_tokens,
-                SchedulingPolicy(self.scheduling_policy),
+                self.scheduling_policy,
             ),
             parallel_config=ParallelConfig(
-                self.tensor_parallel_size, self.distributed_executor_backend, self.worker_multiproc_method
+                self.tensor_parallel_size, self.distributed_executor_backend, self.worker_multiproc_method,
+                self.data_parallel_size, self.data_parallel_placement,
             ),
             device_config=DeviceConfig(device, self.cpu_threads),
             speculative_config=self._speculative_config(hf_config.num_hidden_layers),
@@ -308,6 +335,11 @@ class EngineArgs:
             raise ParameterError(
                 "device='cuda' but PyTorch sees no CUDA GPU (torch.cuda.is_available() is False; the pinned torch is "
                 "the CPU build: install the CUDA build of the same version), or use device='cpu'", "device",
+            )
+        if self.data_parallel_size > torch.cuda.device_count() and self.device == "cuda":
+            raise ParameterError(
+                f"data_parallel_size={self.data_parallel_size} needs {self.data_parallel_size} GPUs on this machine, "
+                f"one per replica; {torch.cuda.device_count()} are visible", "data_parallel_size",
             )
         if self.attention_backend == "triton" and self.device == "cpu":
             import kernels
@@ -385,6 +417,12 @@ class AsyncEngineArgs(EngineArgs):
     def __post_init__(self) -> None:
         super().__post_init__()
         _one_of("engine_core", self.engine_core, ENGINE_CORE_KINDS)
+        if self.data_parallel_size > 1 and self.engine_core == "process":
+            raise ParameterError(
+                f"data_parallel_size={self.data_parallel_size} starts its replicas from the engine core, and a core in "
+                "its own (daemon) process cannot start processes: use engine_core='thread' (--engine-core thread)",
+                "engine_core",
+            )
 
 
 def engine_args_from_kwargs(cls: type[EngineArgs], kwargs: dict[str, Any]) -> EngineArgs:

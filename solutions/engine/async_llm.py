@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from solutions.config import VllmConfig
-from solutions.core.sched.output import EngineCoreOutputs
+from solutions.engine import EngineCoreOutputs
 from solutions.engine.arg_utils import AsyncEngineArgs
 from solutions.engine.core import EngineDead
 from solutions.engine.core_client import POLL_SECONDS, EngineCoreClient

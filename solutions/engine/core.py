@@ -49,10 +49,10 @@ import torch
 
 from solutions.beam_search import BeamSearchParams, BeamSearchSequence, run_beam_search
 from solutions.config import VllmConfig
-from solutions.core.sched.output import EngineCoreOutputs
+from solutions.core.sched.data_parallel_scheduler import DataParallelScheduler
 from solutions.core.sched.scheduler import Scheduler
 from solutions.core.sequence import Sequence, SequenceStatus
-from solutions.engine import EngineCoreRequest, EngineCoreRequestType
+from solutions.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 from solutions.executor.abstract import Executor
 from solutions.structured_output import StructuredOutputManager
 
@@ -67,7 +67,8 @@ class EngineCore:
         self.vllm_config = vllm_config
         self.model_executor = executor_class(vllm_config)
         self.structured_output_manager = StructuredOutputManager.from_config(vllm_config.model_config)
-        self.scheduler = Scheduler.from_config(vllm_config, self.structured_output_manager)
+        scheduler_cls = DataParallelScheduler if vllm_config.parallel_config.data_parallel_size > 1 else Scheduler
+        self.scheduler = scheduler_cls.from_config(vllm_config, self.structured_output_manager)
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()  # the order requests came in: priority ties, unseeded seeds
 
@@ -97,8 +98,11 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         """One engine step (`engine_step`, looked up in this module when called, so a chapter can swap it), then
-        `post_step`."""
+        `post_step`. With data parallelism, a replica that died in the step is dropped: its sequences are requeued
+        on the others (the others' tokens of the step are in `outputs`)."""
         outputs = engine_step(self)
+        for replica in self.model_executor.take_dead_replicas():
+            self.scheduler.drop_replica(replica)
         self.post_step()
         return outputs
 
@@ -115,11 +119,12 @@ class EngineCore:
         on this core's KV cache manager and model runner (`solutions/beam_search.py`). The core must be idle."""
         if self.has_unfinished_requests():
             raise ValueError("beam_search needs an idle engine: finish or abort the unfinished requests first")
+        if self.vllm_config.parallel_config.data_parallel_size > 1:
+            raise ValueError("beam_search runs on one replica's runner in this process: use data_parallel_size=1")
         return run_beam_search(
             self.scheduler.kv_cache_manager, self.model_executor.model_runner, prompts, params,
             eos_token_id=self.vllm_config.model_config.eos_token_id,
             max_model_len=self.vllm_config.model_config.max_model_len, seq_ids=self._seq_ids,
-            swap_pool=self.scheduler.swap_pool,
         )
 
     def shutdown(self) -> None:

@@ -51,8 +51,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from solutions.config import VllmConfig
-from solutions.core.sched.output import EngineCoreOutputs
-from solutions.engine import EngineCoreRequest, EngineCoreRequestType
+from solutions.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 from solutions.engine.core import EngineCore, EngineCoreProc, EngineCoreReady, EngineDead, OutputMessage
 from solutions.executor.abstract import Executor
 

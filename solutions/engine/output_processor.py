@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from solutions.core.sched.output import EngineCoreOutput
-from solutions.engine import EngineCoreRequest
+from solutions.engine import EngineCoreOutput, EngineCoreRequest
 from solutions.exceptions import ParameterError
 from solutions.outputs import CompletionOutput, FinishReason, Logprob, RequestOutput
 from solutions.sampling_params import RequestOutputKind, SamplingParams

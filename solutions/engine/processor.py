@@ -23,12 +23,11 @@ import math
 from transformers import PreTrainedTokenizerBase
 
 from solutions.config import VllmConfig
-from solutions.core.block_manager import cdiv
-from solutions.core.sched.request_queue import SchedulingPolicy
 from solutions.engine import EngineCoreRequest
 from solutions.exceptions import ParameterError
 from solutions.sampling_params import SamplingParams
 from solutions.structured_output.backend_guidance import GuidanceBackend
+from solutions.utils.math_utils import cdiv
 
 
 class Processor:
@@ -84,7 +83,7 @@ class Processor:
     def _validate_priority(self, priority: object) -> None:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ParameterError(f"priority must be an int (lower runs first), got {priority!r}", "priority")
-        if priority and self.vllm_config.scheduler_config.policy is not SchedulingPolicy.PRIORITY:
+        if priority and self.vllm_config.scheduler_config.policy != "priority":
             raise ParameterError("priority needs scheduling_policy='priority'; under 'fcfs' leave it 0", "priority")
 
     def _tokenize(self, request_id: str, prompt: str | list[int]) -> tuple[str | None, list[int]]:

@@ -5,7 +5,8 @@
     model_output = model_executor.sample_tokens(grammar)  # the driver: one token per sampling sequence
 
 Which class is decided by the config alone: one process (`UniProcExecutor`), ranks this process starts
-(`MultiprocExecutor`), or ranks torchrun started (`ExecutorWithExternalLauncher`). The core never knows which.
+(`MultiprocExecutor`), ranks torchrun started (`ExecutorWithExternalLauncher`), or whole replicas in worker processes
+(`DataParallelExecutor`). The core never knows which.
 
 Where this lives in vLLM: `vllm/v1/executor/abstract.py` (`Executor.get_class`).
 """
@@ -32,6 +33,10 @@ class Executor:
     @staticmethod
     def get_class(vllm_config: VllmConfig) -> type["Executor"]:
         parallel = vllm_config.parallel_config
+        if parallel.data_parallel_size > 1:  # whole replicas in worker processes
+            from solutions.executor.data_parallel_executor import DataParallelExecutor
+
+            return DataParallelExecutor
         if parallel.tensor_parallel_size == 1:
             from solutions.executor.uniproc_executor import UniProcExecutor
 
@@ -63,6 +68,11 @@ class Executor:
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         """The drafts rank 0's proposer made after the last sampling, once (None without speculation)."""
         return self.model_runner.take_draft_token_ids()
+
+    def take_dead_replicas(self) -> list[int]:
+        """Data parallelism: the replicas found dead since the last call, once (none here: one replica, which does not
+        die without the engine)."""
+        return []
 
     def shutdown(self) -> None:
         """Release the workers (nothing to do in one process). Idempotent."""

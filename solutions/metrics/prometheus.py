@@ -3,7 +3,8 @@
 Three kinds of metric, as Prometheus defines them:
 - gauges hold the latest value: `vllm:num_requests_running`, `vllm:num_requests_waiting`,
   `vllm:kv_cache_usage_perc` (a fraction 0..1, as in vLLM v1, despite the name), `vllm:num_requests_swapped`
-  (vLLM v0's: sequences whose blocks are in the swap pool, chapter 11);
+  (vLLM v0's: sequences whose blocks are in the swap pool, chapter 11), `vllm:num_dead_replicas` (ours, data
+  parallelism: replicas whose process died; the server keeps serving on the others);
 - counters only grow (the exposition adds `_total`): `vllm:prompt_tokens`, `vllm:generation_tokens`,
   `vllm:prefix_cache_queries`, `vllm:prefix_cache_hits` (both in tokens), `vllm:num_preemptions`, and the host
   tier's `vllm:external_prefix_cache_queries`, `vllm:external_prefix_cache_hits` (tokens looked up past the device's
@@ -62,6 +63,9 @@ class PrometheusStatLogger:
         self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("vllm:num_preemptions", "Sequences preempted (by recompute or swapping).")
         self.num_requests_swapped = gauge("vllm:num_requests_swapped", "Sequences swapped out to host memory.")
+        self.num_dead_replicas = gauge(
+            "vllm:num_dead_replicas", "Data-parallel replicas whose process died (their requests run on the others)."
+        )
         self.external_prefix_cache_queries = counter(
             "vllm:external_prefix_cache_queries", "Prompt tokens looked up in the host tier (past the device's hits)."
         )
@@ -92,6 +96,7 @@ class PrometheusStatLogger:
             self.prefix_cache_hits.inc(scheduler_stats.prefix_cache_hits)
             self.num_preemptions.inc(scheduler_stats.num_preemptions)
             self.num_requests_swapped.set(scheduler_stats.num_swapped)
+            self.num_dead_replicas.set(scheduler_stats.num_dead_replicas)
             self.external_prefix_cache_queries.inc(scheduler_stats.external_prefix_cache_queries)
             self.external_prefix_cache_hits.inc(scheduler_stats.external_prefix_cache_hits)
             if self.spec_decoding is not None:

@@ -51,6 +51,7 @@ class SchedulerStats:
     # the prefix cache's host tier since the last report, in tokens: looked up past the device's hits, found there
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
+    num_dead_replicas: int = 0  # data parallelism: replicas whose process died (their sequences were requeued)
     seconds: dict[str, float] = field(default_factory=dict)  # per stage of STEP_STAGES
 
     @property

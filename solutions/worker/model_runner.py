@@ -41,28 +41,22 @@ import time
 import torch
 
 from solutions.attention.paged import AttentionMetadata, KVCache, copy_blocks
+from solutions.attention.registry import ATTENTION_BACKENDS
 from solutions.attention.torch_backend import TorchAttentionBackend
 from solutions.config import SpeculativeConfig, VllmConfig
 from solutions.core.block_manager import slot_mapping
-from solutions.core.sched.output import (
-    DraftTokenIds,
-    GrammarOutput,
-    ModelRunnerOutput,
-    PromptLogprobsChunk,
-    SchedulerOutput,
-    sampling_rows,
-)
+from solutions.core.sched.output import DraftTokenIds, GrammarOutput, ModelRunnerOutput, SchedulerOutput, sampling_rows
 from solutions.core.sequence import Sequence
-from solutions.kv_offload.transfer import allocate_host_cache, swap_blocks
+from solutions.kv_offload.transfer import KVTransfer, allocate_host_cache
 from solutions.model.llama import LlamaForCausalLM
+from solutions.outputs import PromptLogprobsChunk
 from solutions.sample.rejection_sampler import rejection_sample
 from solutions.sample.sampler import gather_logprobs, process_logits, sample
 from solutions.spec_decode import PerSequenceProposer, Proposer
 from solutions.spec_decode.draft_model import DraftModelProposer
 from solutions.spec_decode.ngram_proposer import NgramProposer
 from solutions.structured_output.bitmask import apply_token_bitmask
-
-ATTENTION_BACKENDS = ("torch", "inductor", "triton")
+from solutions.worker.block_table import BlockTable
 
 
 def prepare_inputs(
@@ -163,9 +157,10 @@ class ModelRunner:
     """Owns the model and the paged KV cache (on the model's device, in its dtype); one `execute_model` call is
     one forward pass.
 
-    CUDA graphs are captured for pure-decode steps when the model is on a GPU, the backend is "triton",
-    `enforce_eager` is False and the largest batch (`max_num_seqs`) and context (`max_model_len`) are given;
-    `self.cuda_graphs` is None otherwise.
+    The forward pass is compiled (`self.compiled_forward`) unless `enforce_eager`: with the "inductor" backend on the
+    CPU, and with "triton" on a GPU. There, CUDA graphs of the compiled forward are captured for pure-decode steps
+    when the largest batch (`max_num_seqs`) and context (`max_model_len`) are given; `self.cuda_graphs` is None
+    otherwise.
     """
 
     def __init__(
@@ -186,12 +181,15 @@ class ModelRunner:
         self.kv_cache = KVCache.allocate(model.config, num_blocks, block_size, dtype=self.dtype, device=self.device)
         # chapter 11: host memory for swapped-out sequences and for the prefix cache's second tier (None: off)
         self.swap_cache = self.offload_cache = None
+        self.kv_transfer = KVTransfer(self.device)  # their copies: on a stream of their own on a GPU
         if num_swap_blocks:
             self.swap_cache = allocate_host_cache(model.config, num_swap_blocks, block_size, self.dtype, self.device)
         if num_offload_blocks:
             self.offload_cache = allocate_host_cache(
                 model.config, num_offload_blocks, block_size, self.dtype, self.device
             )
+        # the step's block tables as kernels take them, kept from step to step: a step writes only what changed
+        self.block_table = BlockTable(block_size, max_num_seqs or 8, max_model_len or 256)
         self.cuda_graphs = None
         self.compiled_forward = None
         if attention_backend == "inductor":
@@ -207,10 +205,17 @@ class ModelRunner:
             from solutions.attention.triton_backend import TritonAttentionBackend  # imports Triton only when asked
 
             self.backend_cls = TritonAttentionBackend
-            if self.device.type == "cuda" and not enforce_eager and max_num_seqs and max_model_len:
+            if self.device.type == "cuda" and not enforce_eager:
+                from solutions.worker.compiled_forward import CompiledForward
                 from solutions.worker.cuda_graph import CUDAGraphRunner
 
-                self.cuda_graphs = CUDAGraphRunner(model, self.kv_cache, max_num_seqs, max_model_len, block_size)
+                self.compiled_forward = CompiledForward(model)  # about 10 kernels a layer in place of 44 eagerly
+                self.warm_up()
+                if max_num_seqs and max_model_len:
+                    self.cuda_graphs = CUDAGraphRunner(
+                        model, self.kv_cache, max_num_seqs, max_model_len, block_size,
+                        compiled_forward=self.compiled_forward,
+                    )
         else:
             self.backend_cls = TorchAttentionBackend
 
@@ -222,7 +227,7 @@ class ModelRunner:
             attention_backend=model_config.attention_backend, enforce_eager=model_config.enforce_eager,
             max_num_seqs=vllm_config.scheduler_config.max_num_seqs, max_model_len=model_config.max_model_len,
             speculative_config=vllm_config.speculative_config,
-            num_swap_blocks=cache_config.num_swap_blocks if cache_config.preemption_mode == "swap" else 0,
+            num_swap_blocks=cache_config.num_swap_blocks if cache_config.swapping else 0,
             num_offload_blocks=cache_config.num_offload_blocks,
         )
         return cls(model, **(options | overrides))
@@ -339,16 +344,21 @@ class ModelRunner:
         `extra_rows` (E,) of the flat batch if given ((B + E, V) in all). `seconds` gets the time spent preparing
         the inputs ("prepare") and in the model ("forward")."""
         start = time.perf_counter()
+        input_ids, positions, metadata = prepare_inputs(scheduler_output, self.block_size)  # on the host
+        self.kv_transfer.wait()  # the step's swaps and loads have landed: from here on the device cache is read
         if scheduler_output.blocks_to_copy:
             copy_blocks(self.kv_cache, scheduler_output.blocks_to_copy)
-        input_ids, positions, metadata = prepare_inputs(scheduler_output, self.block_size)  # on the host
+        metadata.block_table_tensor = self.block_table.update(scheduler_output)  # (B, max_blocks), not from the lists
         last_rows = metadata.query_start_loc[1:] - 1  # (B,) row of each sequence's last new token
         if extra_rows is not None:
             last_rows = torch.cat([last_rows, extra_rows])  # (B + E,)
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(metadata):  # a pure decode: replay
             prepared = time.perf_counter()
-            hidden = self.cuda_graphs.run(input_ids, positions, metadata)  # (B, D_model), B == T
-            logits = self.model.compute_logits(hidden[last_rows])  # (B, V)
+            output = self.cuda_graphs.run(input_ids, positions, metadata)  # B == T rows: logits, or hidden states
+            if self.cuda_graphs.compiled_forward is not None:
+                logits = output[last_rows]  # (B, V)
+            else:
+                logits = self.model.compute_logits(output[last_rows])  # (B, V)
         else:
             backend = self.backend_cls(self.kv_cache, metadata)  # copies the metadata it needs to the device
             input_ids, positions = input_ids.to(self.device), positions.to(self.device)  # (T,), (T,)
@@ -366,16 +376,16 @@ class ModelRunner:
     def transfer_blocks(self, scheduler_output: SchedulerOutput) -> None:
         """Chapter 11's copies between the device cache and host memory, in the order the scheduler relies on: the
         stores and swap-outs read device blocks before the swap-ins and loads (and then copy-on-write and the
-        forward pass) may write over them — a block freed by one of them can be handed out again in the same step."""
+        forward pass) may write over them — a block freed by one of them can be handed out again in the same step.
+        One batched copy per direction and cache tensor each; on a GPU they are issued on the transfer stream, and
+        `forward` waits for them after preparing the step's inputs."""
         out = scheduler_output
-        if out.blocks_to_store:
-            swap_blocks(self.kv_cache, self.offload_cache, out.blocks_to_store)
-        if out.blocks_to_swap_out:
-            swap_blocks(self.kv_cache, self.swap_cache, out.blocks_to_swap_out)
-        if out.blocks_to_swap_in:
-            swap_blocks(self.swap_cache, self.kv_cache, out.blocks_to_swap_in)
-        if out.blocks_to_load:
-            swap_blocks(self.offload_cache, self.kv_cache, out.blocks_to_load)
+        self.kv_transfer.start([
+            (self.kv_cache, self.offload_cache, out.blocks_to_store),
+            (self.kv_cache, self.swap_cache, out.blocks_to_swap_out),
+            (self.swap_cache, self.kv_cache, out.blocks_to_swap_in),
+            (self.offload_cache, self.kv_cache, out.blocks_to_load),
+        ])
 
     def warm_up(self) -> None:
         """Compile before the first request, as vLLM does at start-up: a step with a prefill of two tokens beside a

@@ -9,11 +9,12 @@ import torch.nn.functional as F
 from solutions.attention.causal import causal_attention
 from solutions.attention.paged import AttentionMetadata, KVCache, PagedAttention, gather_kv
 from solutions.baselines.paged_generation import generate_paged
-from solutions.core.block_manager import BlockManager, cdiv
+from solutions.core.block_manager import BlockManager
 from solutions.core.block_pool import FreeKVCacheBlockQueue, KVCacheBlock
 from solutions.core.sched.output import SchedulerOutput
 from solutions.core.sequence import Sequence
 from solutions.model.llama import LlamaForCausalLM
+from solutions.utils.math_utils import cdiv
 from solutions.worker.model_runner import prepare_inputs
 
 # --- FreeKVCacheBlockQueue ----------------------------------------------------------------------------------------

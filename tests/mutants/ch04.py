@@ -15,9 +15,9 @@ from solutions.attention.paged import KVCache
 from solutions.beam_search import Beam, beam_search_step
 from solutions.core.block_hash import NONE_HASH, extend_block_hashes, hash_block_tokens
 from solutions.core.block_pool import BlockPool, KVCacheBlock
-from solutions.core.block_manager import cdiv
 from solutions.core.kv_cache_manager import KVCacheManager
 from solutions.core.sequence import Sequence
+from solutions.utils.math_utils import cdiv
 
 # --- BlockPool ----------------------------------------------------------------------------------------------------
 

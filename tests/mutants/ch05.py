@@ -7,10 +7,11 @@ import torch
 
 from solutions.attention.paged import AttentionMetadata
 from solutions.core.block_manager import slot_mapping
-from solutions.core.sched.output import EngineCoreOutput, EngineCoreOutputs, SchedulerOutput, sampling_rows
+from solutions.core.sched.output import SchedulerOutput, sampling_rows
 from solutions.core.sched.request_queue import SchedulingPolicy
 from solutions.core.sched.scheduler import Scheduler, SchedulerBase
 from solutions.core.sequence import Sequence, SequenceStatus
+from solutions.engine import EngineCoreOutput, EngineCoreOutputs
 from solutions.engine.core import EngineCore
 from solutions.sample.ops.penalties import get_token_bin_counts_and_mask
 

@@ -19,7 +19,7 @@ def _victim(scheduler: SchedulerBase) -> Sequence:
 def _mode(scheduler: SchedulerBase, group: list[Sequence], *, host: int | None = None, way_back: int = 0,
           check_way_back: bool = True) -> PreemptionMode:
     num_blocks = num_group_blocks(group)
-    host = scheduler.swap_pool.num_free_blocks if host is None else host
+    host = scheduler.kv_cache_manager.swap_pool.num_free_blocks if host is None else host
     fits = num_blocks <= host and (not check_way_back
                                    or num_blocks + len(group) + way_back <= scheduler.kv_cache_manager.num_blocks)
     return PreemptionMode.SWAP if fits else PreemptionMode.RECOMPUTE
@@ -67,13 +67,13 @@ def select_preemption_always_swaps(scheduler: SchedulerBase) -> tuple[list[Seque
 def select_preemption_host_pool_size(scheduler: SchedulerBase) -> tuple[list[Sequence], PreemptionMode]:
     """Compares the group with the host pool's size, not its free blocks: another group out already is forgotten."""
     group = scheduler.group_of(_victim(scheduler))
-    return group, _mode(scheduler, group, host=scheduler.swap_pool.num_blocks)
+    return group, _mode(scheduler, group, host=scheduler.kv_cache_manager.swap_pool.num_blocks)
 
 
 def select_preemption_strict_host_room(scheduler: SchedulerBase) -> tuple[list[Sequence], PreemptionMode]:
     """Wants a spare host block: a host pool of exactly the group's blocks is refused."""
     group = scheduler.group_of(_victim(scheduler))
-    return group, _mode(scheduler, group, host=scheduler.swap_pool.num_free_blocks - 1)
+    return group, _mode(scheduler, group, host=scheduler.kv_cache_manager.swap_pool.num_free_blocks - 1)
 
 
 def select_preemption_ignores_the_way_back(scheduler: SchedulerBase) -> tuple[list[Sequence], PreemptionMode]:
@@ -92,7 +92,7 @@ def select_preemption_free_device_blocks(scheduler: SchedulerBase) -> tuple[list
     """Asks the way back of the device's free blocks now (all but none, mid-preemption) instead of its size."""
     group = scheduler.group_of(_victim(scheduler))
     num_blocks = num_group_blocks(group)
-    fits = (num_blocks <= scheduler.swap_pool.num_free_blocks
+    fits = (num_blocks <= scheduler.kv_cache_manager.swap_pool.num_free_blocks
             and num_blocks + len(group) <= scheduler.kv_cache_manager.num_free_blocks)
     return group, PreemptionMode.SWAP if fits else PreemptionMode.RECOMPUTE
 

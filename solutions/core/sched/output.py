@@ -4,23 +4,22 @@
     GrammarOutput      the token masks of the step's constrained samples, filled while the forward pass runs
     ModelRunnerOutput  the runner's answer: per sampling sequence its new tokens (one, or with speculative decoding
                        its accepted drafts then one) and their logprobs, and its next drafts
-    EngineCoreOutputs  the scheduler's answer to the front end, after `update_from_output`: per sample, its new
-                       tokens and whether it finished, and the step's `SchedulerStats`
 
-Where this lives in vLLM: `vllm/v1/core/sched/output.py` (`SchedulerOutput`, `GrammarOutput`),
-`vllm/v1/outputs.py` (`ModelRunnerOutput`) and `vllm/v1/engine/__init__.py` (`EngineCoreOutput(s)`). vLLM sends
-ids and deltas to a worker process; ours shares memory with the engine, so it carries the sequences themselves.
+The scheduler's answer to the front end, `EngineCoreOutputs`, is a message of the engine's, beside the requests
+(`solutions/engine/__init__.py`).
+
+Where this lives in vLLM: `vllm/v1/core/sched/output.py` (`SchedulerOutput`, `GrammarOutput`) and
+`vllm/v1/outputs.py` (`ModelRunnerOutput`). vLLM sends ids and deltas to a worker process; ours shares memory with
+the engine, so it carries the sequences themselves.
 """
 
-import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
 from solutions.core.sequence import Sequence
-from solutions.metrics.stats import SchedulerStats
-from solutions.outputs import FinishReason
+from solutions.outputs import PromptLogprobsChunk
 
 
 @dataclass(slots=True)
@@ -97,10 +96,6 @@ class GrammarOutput:
         return self.future.result()
 
 
-# A chunk of a prompt's logprobs: (the prompt position of its first token, then per token (top, (logprob, rank))).
-PromptLogprobsChunk = tuple[int, list[tuple[list[tuple[int, float]], tuple[float, int]]]]
-
-
 @dataclass(slots=True)
 class ModelRunnerOutput:
     """Per sampling sequence, in `sampling_rows`' order: its new tokens — one sampled token, or with drafts the
@@ -124,29 +119,3 @@ class DraftTokenIds:
 
     seq_ids: list[int]
     draft_token_ids: list[list[int]]
-
-
-@dataclass(slots=True)
-class EngineCoreOutput:
-    """What one sample of a request got in one step: its new tokens (one, or more with speculative decoding), and
-    its finish if it finished."""
-
-    request_id: str
-    index: int  # which of the request's n samples
-    new_token_ids: list[int]
-    new_logprobs: list[tuple[list[tuple[int, float]] | None, tuple[float, int]]] | None = None  # (top, sampled)
-    finish_reason: FinishReason | None = None
-    stop_reason: int | None = None  # the stop token id that ended it
-    num_cached_tokens: int | None = None  # set in the step the request's prompt was looked up in the prefix cache
-    new_prompt_logprobs: PromptLogprobsChunk | None = None  # this step's chunk of the prompt's logprobs
-
-
-@dataclass(slots=True)
-class EngineCoreOutputs:
-    """One message from the engine core: a step's outputs and stats, or a refusal, or a stats report between
-    steps (no outputs)."""
-
-    outputs: list[EngineCoreOutput] = field(default_factory=list)
-    scheduler_stats: SchedulerStats | None = None
-    errors: dict[str, str] = field(default_factory=dict)  # request id -> why the core refused to add it
-    timestamp: float = field(default_factory=time.monotonic)  # when it was put on the queue (one clock per host)

@@ -15,14 +15,15 @@ queue; its tokens are kept, so it resumes exactly where it was (prefix caching u
 still there). It repeats until the allocation succeeds or the victim is the sequence itself. No waiting
 sequence is admitted in a step that preempted.
 
-With a host pool (chapter 11, `preemption_mode="swap"`), `allocate_or_swap_out` asks `select_preemption` which
-sequence group (every running sample of one request) leaves, and whether it is swapped out (`_preempt_by_swap`:
-shared blocks copied once, `solutions/kv_offload/swap.py`) or recomputed (`_preempt_by_recompute`); a group always
-moves whole (the paper's §4.5). `schedule_swapped` decides which swapped groups come back (`_swap_in_group`) before
-the waiting queue is served, and what budget that leaves to new admissions. With the prefix cache's host tier
-(`kv_offloading_size`), an admitted sequence's lookup continues on the host after the device's hits, and the blocks
-found there are loaded instead of computed. The block copies both need travel in the `SchedulerOutput`, made by the
-runner before the forward pass.
+With a swap pool (chapter 11, `preemption_mode="swap"`; the KV cache manager owns it and the scheduler decides who
+uses it), `allocate_or_swap_out` asks `select_preemption` which sequence group (every running sample of one request)
+leaves, and whether it is swapped out (`_preempt_by_swap`: shared blocks copied once,
+`solutions/kv_offload/swap.py`) or recomputed (`_preempt_by_recompute`); a group always moves whole (the paper's
+§4.5). `schedule_swapped` decides which swapped groups come back (`_swap_in_group`) before the waiting queue is
+served, and what budget that leaves to new admissions. With the prefix cache's host tier (`kv_offloading_size`), an
+admitted sequence's lookup continues on the host after the device's hits, and the blocks found there are loaded
+instead of computed. The block copies both need travel in the `SchedulerOutput`, made by the runner before the
+forward pass.
 
 The scheduler is the one writer of a sequence's progress. When the batch is decided, `_update_after_schedule`
 advances every scheduled sequence's `num_computed_tokens` past its scheduled tokens (the step's
@@ -64,19 +65,12 @@ from typing import TYPE_CHECKING, Self
 import torch
 
 from solutions.config import VllmConfig
-from solutions.core.block_pool import BlockPool
 from solutions.core.kv_cache_manager import KVCacheManager
-from solutions.core.sched.output import (
-    DraftTokenIds,
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    GrammarOutput,
-    ModelRunnerOutput,
-    SchedulerOutput,
-)
+from solutions.core.sched.output import DraftTokenIds, GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from solutions.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from solutions.core.sched.stop import check_stop
 from solutions.core.sequence import Sequence, SequenceStatus
+from solutions.engine import EngineCoreOutput, EngineCoreOutputs
 from solutions.kv_offload.manager import get_num_new_matched_tokens, update_state_after_alloc
 from solutions.kv_offload.swap import num_group_blocks, swap_in, swap_out
 from solutions.metrics.stats import SchedulerStats
@@ -111,7 +105,6 @@ class SchedulerBase:
         max_model_len: int | None = None,
         eos_token_id: int | None = None,
         structured_output_manager: "StructuredOutputManager | None" = None,
-        swap_pool: BlockPool | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs  # at most this many sequences running at once
@@ -125,8 +118,7 @@ class SchedulerBase:
         self.running: list[Sequence] = []  # in the order they started running
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its samples' sequences, until all finish
         self.num_preemptions = 0  # over the scheduler's life
-        # chapter 11: with a host pool, a preempted group may be swapped out whole (`select_preemption`)
-        self.swap_pool = swap_pool
+        # chapter 11: with a swap pool (the KV cache manager's), a preempted group may be swapped out whole
         self.swapped: list[list[Sequence]] = []  # swapped-out groups, in the order they went out
         self._reported_queries = self._reported_hits = 0  # prefix-cache lookups already in a SchedulerStats
         self._reported_external = (0, 0)  # the host tier's (queries, hits) already in a SchedulerStats
@@ -142,12 +134,13 @@ class SchedulerBase:
         )
         if cache.num_offload_blocks:
             manager.enable_offloading(cache.num_offload_blocks)
+        if cache.swapping:
+            manager.enable_swapping(cache.num_swap_blocks)
         return cls(
             manager, max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
-            long_prefill_token_threshold=sched.long_prefill_token_threshold, policy=sched.policy,
+            long_prefill_token_threshold=sched.long_prefill_token_threshold, policy=SchedulingPolicy(sched.policy),
             max_model_len=sched.max_model_len, eos_token_id=vllm_config.model_config.eos_token_id,
             structured_output_manager=structured_output_manager,
-            swap_pool=BlockPool(cache.num_swap_blocks) if cache.preemption_mode == "swap" else None,
         )
 
     def add_seq(self, seq: Sequence) -> None:
@@ -196,7 +189,8 @@ class SchedulerBase:
             group.remove(seq)
             if not group:
                 self.swapped.remove(group)
-            self.swap_pool.free_blocks(self.swap_pool.blocks[block_id] for block_id in reversed(seq.block_table))
+            swap_pool = self.kv_cache_manager.swap_pool
+            swap_pool.free_blocks(swap_pool.blocks[block_id] for block_id in reversed(seq.block_table))
             seq.block_table.clear()
         else:
             self.kv_cache_manager.free(seq)
@@ -209,7 +203,7 @@ class SchedulerBase:
     ) -> tuple[list[tuple[int, int]] | None, int]:
         """`allocate_or_preempt(self, ...)`, looked up in this module when called: `schedule()` reaches the
         preemption decision through this method, so any `schedule()` runs whichever one the module holds."""
-        if self.swap_pool is not None:
+        if self.kv_cache_manager.swap_pool is not None:
             return allocate_or_swap_out(self, seq, num_new_tokens, out, copies)
         return allocate_or_preempt(self, seq, num_new_tokens, out, copies)
 
@@ -313,7 +307,8 @@ class SchedulerBase:
             seq.status = SequenceStatus.SWAPPED
             out.preempted_seq_ids.append(seq.seq_id)
             out.swapped_out_seq_ids.append(seq.seq_id)
-        pairs = swap_out(self.kv_cache_manager.block_pool, self.swap_pool, group)
+        manager = self.kv_cache_manager
+        pairs = swap_out(manager.block_pool, manager.swap_pool, group)
         out.blocks_to_swap_out += [(read_from.get(device_id, device_id), host_id) for device_id, host_id in pairs]
         self.swapped.append(group)
         self.num_preemptions += len(group)
@@ -331,7 +326,7 @@ class SchedulerBase:
         `budget` and in the free blocks. The caller has checked the room. Returns the budget left."""
         manager = self.kv_cache_manager
         self.swapped.remove(group)
-        out.blocks_to_swap_in += swap_in(self.swap_pool, manager.block_pool, group)
+        out.blocks_to_swap_in += swap_in(manager.swap_pool, manager.block_pool, group)
         for seq in group:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -615,7 +610,7 @@ def select_preemption(scheduler: SchedulerBase) -> tuple[list[Sequence], Preempt
         victim = scheduler.running[-1]
     group = scheduler.group_of(victim)
     num_blocks = num_group_blocks(group)
-    fits_host = num_blocks <= scheduler.swap_pool.num_free_blocks
+    fits_host = num_blocks <= scheduler.kv_cache_manager.swap_pool.num_free_blocks
     can_return = num_blocks + len(group) <= scheduler.kv_cache_manager.num_blocks
     return group, PreemptionMode.SWAP if fits_host and can_return else PreemptionMode.RECOMPUTE
 

@@ -1,0 +1,86 @@
+"""Data parallelism: one KV cache manager over N block pools, one pool per model replica.
+
+Replica r's KV cache lives in its own process, so its blocks are its own: a block id means (replica, id), and each
+pool has its own free queue, prefix-cache hash map and reference counts (`replicas[r]`, a `KVCacheManager` with
+its own `BlockPool`). A sequence holds blocks of one pool only, `seq.replica`'s, for its whole life: preemption,
+swapping and the samples an `n > 1` request forks all stay there. "Free" is therefore per pool: a free block on
+replica 0 is no use to a sequence on replica 1, which is why the scheduler preempts within a replica and why
+placement (`solutions/core/sched/placement.py`) asks how much of a prompt each pool holds (`num_cached_blocks`).
+
+A replica whose process died is gone (`mark_gone`): its pool is kept for the record but counts in no total, and
+nothing is placed there again.
+
+Where this lives in vLLM: nowhere as one object — each of vLLM's data-parallel ranks is a whole engine core with its
+own scheduler and `KVCacheManager` (`vllm/v1/core/kv_cache_manager.py`), and the front end balances requests over
+them without seeing their caches. SGLang's router (`sgl-router`) sees no cache either, only the text it routed.
+"""
+
+from solutions.core.block_hash import extend_block_hashes
+from solutions.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from solutions.core.sequence import Sequence
+
+
+class DataParallelKVCacheManager:
+    """The replicas' `KVCacheManager`s, one pool each; totals over the live ones. Invariant: every block a sequence
+    holds is in `replicas[seq.replica]`'s pool."""
+
+    def __init__(self, replicas: list[KVCacheManager]) -> None:
+        if not replicas:
+            raise ValueError("a data-parallel KV cache manager needs at least one replica's pool")
+        self.replicas = replicas
+        self.alive = [True] * len(replicas)
+
+    @property
+    def block_size(self) -> int:
+        return self.replicas[0].block_size
+
+    @property
+    def live_replicas(self) -> list[int]:
+        return [r for r, alive in enumerate(self.alive) if alive]
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(self.replicas[r].num_blocks for r in self.live_replicas)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return sum(self.replicas[r].num_free_blocks for r in self.live_replicas)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return sum(self.replicas[r].num_used_blocks for r in self.live_replicas)
+
+    @property
+    def num_blocks_copied(self) -> int:
+        return sum(manager.num_blocks_copied for manager in self.replicas)
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Every pool's lookups, summed (a new record: the pools keep their own)."""
+        stats = [manager.prefix_cache_stats for manager in self.replicas]
+        return PrefixCacheStats(
+            sum(s.num_requests for s in stats), sum(s.queries for s in stats), sum(s.hits for s in stats)
+        )
+
+    def mark_gone(self, replica: int) -> None:
+        """Replica `replica`'s process died: its pool takes no sequence and counts in no total from now on."""
+        if not self.alive[replica]:
+            raise RuntimeError(f"replica {replica} is already gone")
+        self.alive[replica] = False
+
+    def num_cached_blocks(self, seq: Sequence) -> list[int]:
+        """Per replica, how many of `seq`'s leading full blocks its pool holds now (0 on a gone replica): hash
+        lookups only — nothing is allocated, touched or counted as a prefix-cache query. As `get_computed_blocks`,
+        the block holding the last token never counts (at least one token must be computed)."""
+        if not self.replicas[0].enable_prefix_caching or seq.skip_reading_prefix_cache:
+            return [0] * len(self.replicas)
+        extend_block_hashes(seq.block_hashes, seq.token_ids, seq.num_tokens, self.block_size)
+        hashes = seq.block_hashes[: (seq.num_tokens - 1) // self.block_size]
+        counts = []
+        for replica, manager in enumerate(self.replicas):
+            count = 0
+            if self.alive[replica]:
+                while count < len(hashes) and manager.block_pool.get_cached_block(hashes[count]) is not None:
+                    count += 1
+            counts.append(count)
+        return counts
