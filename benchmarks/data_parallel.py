@@ -35,6 +35,7 @@ import json
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -157,7 +158,8 @@ async def main_async(args: argparse.Namespace) -> dict:
     finally:
         for engine in engines.values():
             engine.shutdown()
-    return {"workload": vars(args) | {"blocks_per_replica": blocks, "max_model_len": max_model_len},
+    options = {key: value for key, value in vars(args).items() if key != "save"}
+    return {"workload": options | {"blocks_per_replica": blocks, "max_model_len": max_model_len},
             "rows": {name: summarize(r) for name, r in runs.items()}, **measured_on("benchmarks.data_parallel")}
 
 
@@ -192,6 +194,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--save", type=Path, help="also write the JSON object to this file")
     args = parser.parse_args(argv)
     if args.quick:
         args.conversations, args.turns, args.repeats = 8, 3, 1
@@ -206,6 +209,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     result = asyncio.run(main_async(args))
+    if args.save:
+        args.save.write_text(json.dumps(result, indent=2))
     if args.json:
         print(json.dumps(result, indent=2))
     else:
