@@ -91,3 +91,20 @@ def hf_model(folder: Path) -> torch.nn.Module:
 
     logging.disable_progress_bar()  # a bar per load is noise in tests and notebooks
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def prompts_with_a_shared_head(
+    count: int, vocab_size: int, seed: int, head_len: int = 20, max_own: int = 40, every: int = 2
+) -> list[list[int]]:
+    """`count` random prompts of 1 to `max_own - 1` tokens; every `every`-th one (the first included) after one
+    common head of `head_len` tokens, so an engine finds it in its prefix cache."""
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(100, vocab_size, (head_len,), generator=g).tolist()
+    own = [torch.randint(100, vocab_size, (int(torch.randint(1, max_own, (1,), generator=g)),), generator=g).tolist()
+           for _ in range(count)]
+    return [shared + tokens if i % every == 0 else tokens for i, tokens in enumerate(own)]
+
+
+def sampled_token_ids(llm, prompts: list[list[int]], params) -> list[list[list[int]]]:
+    """Each prompt's samples' token ids, from `llm.generate` (an `LLM`)."""
+    return [[sample.token_ids for sample in output.outputs] for output in llm.generate(prompts, params, use_tqdm=False)]

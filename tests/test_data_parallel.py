@@ -12,10 +12,9 @@ import os
 import signal
 
 import pytest
-import torch
 
 from grading.parity import assert_greedy_close, hf_greedy, hf_oracle
-from grading.tiny_models import tiny_checkpoint
+from grading.tiny_models import prompts_with_a_shared_head, sampled_token_ids, tiny_checkpoint
 from solutions import LLM, SamplingParams
 from solutions.core.data_parallel_kv_cache_manager import DataParallelKVCacheManager
 from solutions.core.kv_cache_manager import KVCacheManager
@@ -47,15 +46,7 @@ HARD = dict(block_size=8, num_kv_blocks=20, max_num_batched_tokens=32, long_pref
 
 
 def prompts(vocab_size: int, count: int = 8, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    shared = torch.randint(100, vocab_size, (20,), generator=g).tolist()
-    own = [torch.randint(100, vocab_size, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
-           for _ in range(count)]
-    return [shared + p if i % 2 == 0 else p for i, p in enumerate(own)]
-
-
-def generate(llm: LLM, batch: list[list[int]], params: SamplingParams) -> list[list[list[int]]]:
-    return [[c.token_ids for c in o.outputs] for o in llm.generate(batch, params, use_tqdm=False)]
+    return prompts_with_a_shared_head(count, vocab_size, seed)
 
 
 def core_of(llm: LLM):
@@ -75,7 +66,7 @@ def tiny():
     path = str(tiny_checkpoint("llama-gqa"))
     one = LLM(path, **HARD)
     batch = prompts(one.llm_engine.vllm_config.model_config.vocab_size)
-    reference = generate(one, batch, GREEDY), generate(one, batch, SAMPLED)
+    reference = sampled_token_ids(one, batch, GREEDY), sampled_token_ids(one, batch, SAMPLED)
     two = LLM(path, data_parallel_size=2, **HARD)
     yield path, batch, reference, two
     two.llm_engine.shutdown()
@@ -86,7 +77,7 @@ def tiny():
 
 def test_two_replicas_give_one_replicas_tokens_and_hugging_faces(tiny):
     path, batch, (greedy_one, sampled_one), two = tiny
-    greedy_two, sampled_two = generate(two, batch, GREEDY), generate(two, batch, SAMPLED)
+    greedy_two, sampled_two = sampled_token_ids(two, batch, GREEDY), sampled_token_ids(two, batch, SAMPLED)
     scheduler = core_of(two).scheduler
     assert scheduler.num_preemptions > 0, "the tight pools should have preempted"
     assert all(manager.num_blocks_copied >= 0 for manager in scheduler.kv_cache_manager.replicas)
@@ -105,7 +96,7 @@ def test_every_placement_policy_gives_the_same_tokens_on_both_replicas(tiny, pol
     scheduler.placement = create_placement_policy(policy, 2)
     pools = scheduler.kv_cache_manager.replicas
     admitted = [pool.prefix_cache_stats.num_requests for pool in pools]  # one lookup per admission on a pool
-    assert generate(two, batch, GREEDY) == greedy_one
+    assert sampled_token_ids(two, batch, GREEDY) == greedy_one
     admitted = [pool.prefix_cache_stats.num_requests - before for pool, before in zip(pools, admitted, strict=True)]
     assert all(admitted), f"{policy} placed every sequence on one replica: admissions per replica {admitted}"
     assert_no_leak(scheduler)
@@ -157,7 +148,8 @@ def test_a_replica_killed_mid_run_is_dropped_and_its_sequences_finish_on_the_oth
         logger = PrometheusStatLogger("tiny")
         logger.record(stats, None)
         assert b"vllm:num_dead_replicas{model_name=\"tiny\"} 1.0" in logger.render()
-        assert generate(llm, batch[:2], GREEDY) == greedy_one[:2], "the engine keeps serving on the live replica"
+        kept_serving = sampled_token_ids(llm, batch[:2], GREEDY) == greedy_one[:2]
+        assert kept_serving, "the engine keeps serving on the live replica"
     finally:
         llm.llm_engine.shutdown()
 
@@ -166,7 +158,7 @@ def test_smollm2_on_two_replicas_gives_hugging_faces_greedy_tokens():
     llm = LLM("smollm2-135m", data_parallel_size=2, max_num_seqs=4, max_model_len=256)
     try:
         batch = [[1, 504, 3458, 282, 253, 1168], [1, 504, 3458, 282, 253, 1168, 30, 2593], [1, 9707, 28, 314]]
-        ours = generate(llm, batch, GREEDY)
+        ours = sampled_token_ids(llm, batch, GREEDY)
     finally:
         llm.llm_engine.shutdown()
     folder = str(resolve_model("smollm2-135m"))

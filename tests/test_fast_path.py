@@ -7,7 +7,7 @@ import torch
 import torch._dynamo
 
 from grading.parity import assert_greedy_close, hf_greedy, hf_oracle
-from grading.tiny_models import tiny_checkpoint
+from grading.tiny_models import prompts_with_a_shared_head, tiny_checkpoint
 from solutions import LLM, SamplingParams
 from solutions.attention.cpu_kernels import c_paged_decode_attention
 from solutions.attention.inductor_backend import compiled_paged_decode_attention, torch_paged_decode_attention
@@ -27,14 +27,8 @@ def core(llm: LLM):
     return llm.llm_engine.engine_core.engine_core
 
 
-def prompts_with_a_shared_head(count: int, vocab_size: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    shared = torch.randint(100, vocab_size, (24,), generator=g).tolist()
-    prompts = []
-    for i in range(count):
-        own = torch.randint(100, vocab_size, (int(torch.randint(1, 60, (1,), generator=g)),), generator=g).tolist()
-        prompts.append(shared + own if i % 3 == 0 else own)
-    return prompts
+def prompts_with_a_head(count: int, vocab_size: int, seed: int) -> list[list[int]]:
+    return prompts_with_a_shared_head(count, vocab_size, seed, head_len=24, max_own=60, every=3)
 
 
 # --- the in-place decode attention --------------------------------------------------------------------------
@@ -123,7 +117,7 @@ def test_compiled_fast_path_equals_hugging_face_and_compiles_only_at_start_up(mo
     assert compiled is not None and compiled.compile_seconds > 0, "the forward pass compiles at start-up"
     at_start = compiled.compile_seconds
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    prompts = prompts_with_a_shared_head(18, 256, seed=4)
+    prompts = prompts_with_a_head(18, 256, seed=4)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for prompt, output in zip(prompts, outputs, strict=True):
         expected = hf_greedy(folder, tuple(prompt), NEW_TOKENS)
@@ -145,7 +139,7 @@ def test_a_new_thread_count_does_not_recompile_the_forward():
     llm = LLM(model=str(folder), attention_backend="inductor", cpu_threads=2, **HARD)
     compiled, policy = core(llm).model_executor.model_runner.compiled_forward, core(llm).model_executor.cpu_threads
     at_start, graphs = compiled.compile_seconds, torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    prompts = prompts_with_a_shared_head(4, 256, seed=5)
+    prompts = prompts_with_a_head(4, 256, seed=5)
     try:
         for policy.num_threads in (1, 2, 1):  # as the policy sets it, step by step
             outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -164,7 +158,7 @@ def test_enforce_eager_keeps_the_eager_forward_with_in_place_attention():
     eager = LLM(model=str(folder), attention_backend="inductor", enforce_eager=True, **HARD)
     reference = LLM(model=str(folder), **HARD)
     assert core(eager).model_executor.model_runner.compiled_forward is None
-    prompts = prompts_with_a_shared_head(10, 256, seed=5)
+    prompts = prompts_with_a_head(10, 256, seed=5)
     ours = [o.outputs[0].token_ids for o in eager.generate(prompts, GREEDY, use_tqdm=False)]
     theirs = [o.outputs[0].token_ids for o in reference.generate(prompts, GREEDY, use_tqdm=False)]
     assert ours == theirs
@@ -174,7 +168,7 @@ def test_smollm2_fast_path_equals_hugging_face():
     folder = resolve_model("smollm2-135m")
     llm = LLM(model="smollm2-135m", attention_backend="inductor", **HARD)
     texts = ["Once upon a time", "The capital of France is", "def fibonacci(n):", "Paged attention"]
-    prompts = [llm.tokenizer.encode(t) for t in texts] + prompts_with_a_shared_head(12, 49152, seed=6)
+    prompts = [llm.tokenizer.encode(t) for t in texts] + prompts_with_a_head(12, 49152, seed=6)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for prompt, output in zip(prompts, outputs, strict=True):
         expected = hf_greedy(folder, tuple(prompt), NEW_TOKENS)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from grading.parity import assert_greedy_close, hf_greedy, hf_oracle
-from grading.tiny_models import tiny_checkpoint
+from grading.tiny_models import prompts_with_a_shared_head, sampled_token_ids, tiny_checkpoint
 from solutions import LLM, SamplingParams
 from solutions.distributed import layers
 from solutions.distributed.layers import RowParallelLinear, allowed_tensor_parallel_sizes, partition, split_evenly
@@ -40,15 +40,7 @@ HARD = dict(block_size=8, num_kv_blocks=24, max_num_batched_tokens=32, long_pref
 
 
 def prompts(vocab_size: int, count: int = 8, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    shared = torch.randint(100, vocab_size, (20,), generator=g).tolist()
-    own = [torch.randint(100, vocab_size, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
-           for _ in range(count)]
-    return [shared + p if i % 2 == 0 else p for i, p in enumerate(own)]
-
-
-def generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[list[int]]]:
-    return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+    return prompts_with_a_shared_head(count, vocab_size, seed)
 
 
 
@@ -58,10 +50,10 @@ def test_two_ranks_give_one_ranks_tokens_and_hugging_faces(model):
     one = LLM(path, **HARD)
     vocab_size = one.llm_engine.vllm_config.model_config.vocab_size
     batch = prompts(vocab_size)
-    greedy_one, sampled_one = generate(one, batch, GREEDY), generate(one, batch, SAMPLED)
+    greedy_one, sampled_one = sampled_token_ids(one, batch, GREEDY), sampled_token_ids(one, batch, SAMPLED)
     two = LLM(path, tensor_parallel_size=2, **HARD)
     try:
-        greedy_two, sampled_two = generate(two, batch, GREEDY), generate(two, batch, SAMPLED)
+        greedy_two, sampled_two = sampled_token_ids(two, batch, GREEDY), sampled_token_ids(two, batch, SAMPLED)
         scheduler = two.llm_engine.engine_core.engine_core.scheduler
         assert scheduler.num_preemptions > 0, "the tight KV cache should have preempted"
     finally:
@@ -88,10 +80,10 @@ def test_two_ranks_verify_drafts_as_one_rank_without_them_and_hugging_face(model
     and prefix-cache hits, the greedy tokens are one rank's without drafts and Hugging Face's."""
     path, params = str(tiny_checkpoint(model)), SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     batch = prompts(256)
-    plain = generate(LLM(path, **HARD), batch, params)
+    plain = sampled_token_ids(LLM(path, **HARD), batch, params)
     two = LLM(path, tensor_parallel_size=2, speculative_config=NGRAM, **HARD)
     try:
-        ours = generate(two, batch, params)
+        ours = sampled_token_ids(two, batch, params)
         stats = two.llm_engine.stats
         assert two.llm_engine.engine_core.engine_core.scheduler.num_preemptions > 0, "the tight KV cache preempts"
     finally:
@@ -142,7 +134,7 @@ def test_forked_workers_give_spawns_tokens_and_run_this_processs_code_and_a_dead
     spawned = LLM(path, tensor_parallel_size=2, max_model_len=64)
     executor = spawned.llm_engine.engine_core.engine_core.model_executor
     try:
-        want = generate(spawned, batch, GREEDY)
+        want = sampled_token_ids(spawned, batch, GREEDY)
         executor.workers[0].kill()
         executor.workers[0].join(timeout=10)
         with pytest.raises(RuntimeError, match="tp-worker-1"):
@@ -152,7 +144,7 @@ def test_forked_workers_give_spawns_tokens_and_run_this_processs_code_and_a_dead
     assert torch.get_num_threads() == threads, "shutting down gives this process its torch threads back"
     forked = LLM(path, tensor_parallel_size=2, max_model_len=64, worker_multiproc_method="fork")
     try:
-        assert generate(forked, batch, GREEDY) == want
+        assert sampled_token_ids(forked, batch, GREEDY) == want
     finally:
         forked.llm_engine.shutdown()
     reference = layers.shard_weight
@@ -165,7 +157,7 @@ def test_forked_workers_give_spawns_tokens_and_run_this_processs_code_and_a_dead
     monkeypatch.setattr(layers, "shard_weight", other_kv_head)
     patched = LLM(path, tensor_parallel_size=2, max_model_len=64, worker_multiproc_method="fork")
     try:
-        assert generate(patched, batch, GREEDY) != want
+        assert sampled_token_ids(patched, batch, GREEDY) != want
     finally:
         patched.llm_engine.shutdown()
 
@@ -198,7 +190,7 @@ def test_torchrun_runs_every_rank_as_the_same_engine(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0] == ranks[1], "every rank returns the same outputs"
     one = LLM(path, max_model_len=64)
-    assert ranks[0]["greedy"] == [tokens for (tokens,) in generate(one, batch, GREEDY)]
+    assert ranks[0]["greedy"] == [tokens for (tokens,) in sampled_token_ids(one, batch, GREEDY)]
 
 
 def test_external_launcher_outside_torchrun_says_how_to_start_it(monkeypatch):
