@@ -8,6 +8,8 @@ finish on the other with the same tokens, and the stats report it; bad options a
 """
 
 import argparse
+import asyncio
+import dataclasses
 import os
 import signal
 
@@ -33,6 +35,7 @@ from solutions.core.sched.request_queue import SchedulingPolicy
 from solutions.core.sched.scheduler import Scheduler
 from solutions.core.sequence import Sequence, SequenceStatus
 from solutions.engine.arg_utils import AsyncEngineArgs, EngineArgs
+from solutions.engine.async_llm import AsyncLLM
 from solutions.exceptions import ParameterError
 from solutions.metrics.prometheus import PrometheusStatLogger
 from solutions.model.loader import resolve_model
@@ -176,14 +179,22 @@ def test_a_bad_data_parallel_size_is_refused_naming_the_field(value):
     assert info.value.parameter == "data_parallel_size"
 
 
-def test_the_server_takes_the_flags_and_runs_the_core_in_a_thread():
+def test_the_server_takes_the_flags_and_its_core_process_starts_the_replicas(tiny):
+    """The server's engine core runs in its own process (the default), which starts the replicas' workers."""
+    path, batch, (greedy_one, _), _ = tiny
     parser = AsyncEngineArgs.add_cli_args(argparse.ArgumentParser())
-    argv = ["--data-parallel-size", "2", "--data-parallel-placement", "least_loaded", "--engine-core", "thread"]
+    argv = ["--model", path, "--data-parallel-size", "2", "--data-parallel-placement", "least_loaded"]
     args = AsyncEngineArgs.from_cli_args(parser.parse_args(argv))
-    assert (args.data_parallel_size, args.data_parallel_placement) == (2, "least_loaded")
-    with pytest.raises(ParameterError, match="engine_core='thread'") as info:
-        AsyncEngineArgs(data_parallel_size=2)
-    assert info.value.parameter == "engine_core"
+    assert (args.data_parallel_size, args.data_parallel_placement, args.engine_core) == (2, "least_loaded", "process")
+    args = dataclasses.replace(args, **HARD)
+
+    async def serve() -> list[list[int]]:
+        async with AsyncLLM.from_engine_args(args) as llm:
+            async def one(i: int) -> list[int]:
+                return [t async for out in llm.generate(batch[i], GREEDY, str(i)) for t in out.outputs[0].token_ids]
+            return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(4))), timeout=120)
+
+    assert asyncio.run(serve()) == [g[0] for g in greedy_one[:4]]
 
 
 def test_an_unknown_placement_is_refused_listing_the_policies():

@@ -417,12 +417,6 @@ class AsyncEngineArgs(EngineArgs):
     def __post_init__(self) -> None:
         super().__post_init__()
         _one_of("engine_core", self.engine_core, ENGINE_CORE_KINDS)
-        if self.data_parallel_size > 1 and self.engine_core == "process":
-            raise ParameterError(
-                f"data_parallel_size={self.data_parallel_size} starts its replicas from the engine core, and a core in "
-                "its own (daemon) process cannot start processes: use engine_core='thread' (--engine-core thread)",
-                "engine_core",
-            )
 
 
 def engine_args_from_kwargs(cls: type[EngineArgs], kwargs: dict[str, Any]) -> EngineArgs:

@@ -175,8 +175,8 @@ class MPClient(EngineCoreClient):
         self.input_queue, self.output_queue = context.Queue(), context.Queue()
         self.process = context.Process(
             target=run_engine_core, args=(vllm_config, executor_class, self.input_queue, self.output_queue),
-            name="EngineCore", daemon=True,
-        )
+            name="EngineCore", daemon=False,  # a daemon may not start processes, and the core starts the executor's
+        )  # workers (tensor or data parallelism); the finalizer below stops it when this process exits
         self.process.start()
         self._finalizer = weakref.finalize(self, _stop_process, self.process, self.input_queue, self.output_queue)
         first = self.get_output(STARTUP_TIMEOUT_SECONDS)
