@@ -69,18 +69,23 @@ class DataParallelKVCacheManager:
         self.alive[replica] = False
 
     def num_cached_blocks(self, seq: Sequence) -> list[int]:
-        """Per replica, how many of `seq`'s leading full blocks its pool holds now (0 on a gone replica): hash
-        lookups only — nothing is allocated, touched or counted as a prefix-cache query. As `get_computed_blocks`,
-        the block holding the last token never counts (at least one token must be computed)."""
-        if not self.replicas[0].enable_prefix_caching or seq.skip_reading_prefix_cache:
-            return [0] * len(self.replicas)
-        extend_block_hashes(seq.block_hashes, seq.token_ids, seq.num_tokens, self.block_size)
-        hashes = seq.block_hashes[: (seq.num_tokens - 1) // self.block_size]
-        counts = []
-        for replica, manager in enumerate(self.replicas):
-            count = 0
-            if self.alive[replica]:
-                while count < len(hashes) and manager.block_pool.get_cached_block(hashes[count]) is not None:
-                    count += 1
-            counts.append(count)
-        return counts
+        """`num_cached_blocks(self, seq)`, looked up in this module when called (chapter 12's decision)."""
+        return num_cached_blocks(self, seq)
+
+
+def num_cached_blocks(manager: DataParallelKVCacheManager, seq: Sequence) -> list[int]:
+    """Per replica, how many of `seq`'s leading full blocks its pool holds now (0 on a gone replica): hash lookups
+    only — nothing is allocated, touched or counted as a prefix-cache query. As `get_computed_blocks`, the block
+    holding the last token never counts (at least one token must be computed)."""
+    if not manager.replicas[0].enable_prefix_caching or seq.skip_reading_prefix_cache:
+        return [0] * len(manager.replicas)
+    extend_block_hashes(seq.block_hashes, seq.token_ids, seq.num_tokens, manager.block_size)
+    hashes = seq.block_hashes[: (seq.num_tokens - 1) // manager.block_size]
+    counts = []
+    for replica, replica_manager in enumerate(manager.replicas):
+        count = 0
+        if manager.alive[replica]:
+            while count < len(hashes) and replica_manager.block_pool.get_cached_block(hashes[count]) is not None:
+                count += 1
+        counts.append(count)
+    return counts

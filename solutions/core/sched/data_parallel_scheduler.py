@@ -213,21 +213,26 @@ class DataParallelScheduler:
     # --- faults ----------------------------------------------------------------------------------------------------
 
     def drop_replica(self, replica: int) -> None:
-        """Replica `replica`'s process died: mark its pool gone and requeue every sequence it had, at the front, with
-        nothing computed and no replica (its tokens kept: it resumes by recompute wherever it is placed next).
-        RuntimeError once no replica is left."""
-        self.kv_cache_manager.mark_gone(replica)
-        scheduler = self.replicas[replica]
-        seqs = [*scheduler.running, *scheduler.waiting, *(seq for group in scheduler.swapped for seq in group)]
-        for seq in seqs:
-            # never admitted: still new; else it resumes, as after a preemption
-            status = SequenceStatus.WAITING if seq.status is SequenceStatus.WAITING else SequenceStatus.PREEMPTED
-            scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)  # frees its blocks: the gone pool's books balance
-            seq.status, seq.num_computed_tokens, seq.spec_token_ids, seq.replica = status, 0, [], None
-        for seq in sorted(seqs, key=lambda s: (s.arrival, s.seq_id), reverse=True):
-            self.waiting.prepend(seq)
-        self.num_requeued += len(seqs)
-        logger.error("data-parallel replica %d died; %d sequences requeued on replicas %s",
-                     replica, len(seqs), self.live_replicas)
-        if not self.live_replicas:
-            raise RuntimeError(f"every data-parallel replica has died (the last: replica {replica}); nothing can run")
+        """`drop_replica(self, replica)`, looked up in this module when called (chapter 12's decision)."""
+        drop_replica(self, replica)
+
+
+def drop_replica(scheduler: DataParallelScheduler, replica: int) -> None:
+    """Replica `replica`'s process died: mark its pool gone and requeue every sequence it had, at the front, with
+    nothing computed and no replica (its tokens kept: it resumes by recompute wherever it is placed next).
+    RuntimeError once no replica is left."""
+    scheduler.kv_cache_manager.mark_gone(replica)
+    dead = scheduler.replicas[replica]
+    seqs = [*dead.running, *dead.waiting, *(seq for group in dead.swapped for seq in group)]
+    for seq in seqs:
+        # never admitted: still new; else it resumes, as after a preemption
+        status = SequenceStatus.WAITING if seq.status is SequenceStatus.WAITING else SequenceStatus.PREEMPTED
+        dead.finish(seq, SequenceStatus.FINISHED_ABORTED)  # frees its blocks: the gone pool's books balance
+        seq.status, seq.num_computed_tokens, seq.spec_token_ids, seq.replica = status, 0, [], None
+    for seq in sorted(seqs, key=lambda s: (s.arrival, s.seq_id), reverse=True):
+        scheduler.waiting.prepend(seq)
+    scheduler.num_requeued += len(seqs)
+    logger.error("data-parallel replica %d died; %d sequences requeued on replicas %s",
+                 replica, len(seqs), scheduler.live_replicas)
+    if not scheduler.live_replicas:
+        raise RuntimeError(f"every data-parallel replica has died (the last: replica {replica}); nothing can run")

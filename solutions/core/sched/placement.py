@@ -91,11 +91,19 @@ class PrefixAwarePolicy(PlacementPolicy):
         self.load_cap, self.near_tie_blocks = load_cap, near_tie_blocks
 
     def place(self, seq: Sequence, replicas: list[ReplicaState]) -> int:
-        min_load = min(state.load for state in replicas)
-        candidates = [state for state in replicas if state.load <= min_load + self.load_cap]
-        best = max(state.num_cached_blocks for state in candidates)
-        good = [state for state in candidates if state.num_cached_blocks >= best - self.near_tie_blocks]
-        return min(good, key=lambda state: (state.load, -state.num_cached_blocks, state.replica)).replica
+        """`place_by_prefix`, looked up in this module when called (chapter 12's decision)."""
+        return place_by_prefix(replicas, self.load_cap, self.near_tie_blocks)
+
+
+def place_by_prefix(replicas: list[ReplicaState], load_cap: int, near_tie_blocks: int) -> int:
+    """The `prefix` policy's choice among `replicas` (live, each able to take the sequence now): the index
+    (`ReplicaState.replica`) of the least loaded among those that hold within `near_tie_blocks` blocks of the longest
+    cached prefix, considering only replicas whose load is at most the smallest load + `load_cap`."""
+    min_load = min(state.load for state in replicas)
+    candidates = [state for state in replicas if state.load <= min_load + load_cap]
+    best = max(state.num_cached_blocks for state in candidates)
+    good = [state for state in candidates if state.num_cached_blocks >= best - near_tie_blocks]
+    return min(good, key=lambda state: (state.load, -state.num_cached_blocks, state.replica)).replica
 
 
 class TokenTree:
