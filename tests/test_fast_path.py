@@ -2,6 +2,9 @@
 and the forward pass compiled once for every step — the same tokens as the reference engine and as Hugging Face,
 under preemption, chunked prefill and prefix caching, with no compile after start-up."""
 
+import functools
+import platform
+
 import pytest
 import torch
 import torch._dynamo
@@ -54,35 +57,56 @@ def test_in_place_decode_attention_equals_the_gather_then_sdpa(num_seqs, max_blo
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_c_decode_kernel_at_smollm2s_shape_over_long_contexts():
+# The C kernel built for this CPU, and as it is built for CPUs without AVX512-BF16 (its bf16 scores then multiply
+# widened fp32 values, where vdpbf16ps takes bf16 pairs) and without AVX-512 at all (GCC's vectors on AVX2).
+INSTRUCTION_SETS = {"native": (), "no-avx512bf16": ("-mno-avx512bf16",), "no-avx512": ("-mno-avx512f",)}
+
+
+def verify_reference(q: torch.Tensor, key_cache, value_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
+    """Q queries per sequence, q (B, Q, Hq, D), token r seeing seq_lens - (Q - 1 - r) positions: decodes, one row
+    of Q at a time."""
+    num_queries = q.shape[1]
+    rows = [batched_decode_attention(q[:, r], key_cache, value_cache, block_tables, seq_lens - (num_queries - 1 - r),
+                                     scale) for r in range(num_queries)]
+    return torch.stack(rows, dim=1)
+
+
+@pytest.mark.parametrize("instruction_set", INSTRUCTION_SETS, ids=list(INSTRUCTION_SETS))
+def test_c_decode_kernel_at_smollm2s_shape_over_long_contexts(instruction_set, monkeypatch):
     """The C kernel (`solutions/attention/cpu_kernels.py`) at SmolLM2's heads (9 query, 3 K/V, D 64), block 16,
-    contexts up to 1,000 tokens on shuffled tables wider than any sequence needs, from an fp32 and from a bf16 cache
-    (bf16 widened to fp32 as it is read: against the fp32 result on the same bf16 values, only the output's rounding
-    to bf16 differs). Both ways of dealing the work: whole sequences per task (at least two sequences per thread),
-    and one K/V head per task (fewer). fp16 is left to the compiled loop."""
+    contexts up to 1,000 tokens on shuffled tables wider than any sequence needs, from an fp32 and from a bf16 cache,
+    for decodes and for a verify's 5 tokens per sequence (15 rows per K/V head, more than pass 2 holds at once).
+    bf16 against the fp32 result on the same bf16 values: only the output's rounding to bf16 may differ. Both ways
+    of dealing the work: whole sequences per task (at least two sequences per thread), and one K/V head per task
+    (fewer). fp16 is left to the compiled loop."""
     from solutions.attention import cpu_kernels
 
+    if INSTRUCTION_SETS[instruction_set] and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("an x86 instruction set")
+    monkeypatch.setattr(cpu_kernels, "_library", functools.partial(cpu_kernels._library,
+                                                                   INSTRUCTION_SETS[instruction_set]))
     g = torch.Generator().manual_seed(7)
     key_cache, value_cache = torch.randn(400, 16, 3, 64, generator=g), torch.randn(400, 16, 3, 64, generator=g)
-    seq_lens = torch.tensor([1, 16, 17, 255, 1000, 640])
+    seq_lens = torch.tensor([5, 16, 17, 255, 1000, 640])
     block_tables = torch.randperm(400, generator=g)[: 6 * 64].view(6, 64)
-    q = torch.randn(6, 9, 64, generator=g)
-    expected = batched_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, 0.125)
-    bf16 = [t.bfloat16() for t in (q, key_cache, value_cache)]
-    expected_bf16 = batched_decode_attention(*(t.float() for t in bf16), block_tables, seq_lens, 0.125).bfloat16()
-    threads = torch.get_num_threads()
-    try:
-        for num_threads, num_seqs in [(1, 6), (1, 1), (2, 3), (2, 6)]:
-            torch.set_num_threads(num_threads)  # OpenMP's thread count, which the kernel deals its tasks by
-            got = c_paged_decode_attention(q[:num_seqs], key_cache, value_cache, block_tables[:num_seqs],
-                                           seq_lens[:num_seqs], 0.125)
-            torch.testing.assert_close(got, expected[:num_seqs], rtol=1e-5, atol=1e-5)
-            got = c_paged_decode_attention(bf16[0][:num_seqs], *bf16[1:], block_tables[:num_seqs],
-                                           seq_lens[:num_seqs], 0.125)
-            assert got.dtype == torch.bfloat16
-            torch.testing.assert_close(got, expected_bf16[:num_seqs])  # bf16's tolerance: one rounding
-    finally:
-        torch.set_num_threads(threads)
+    for q in (torch.randn(6, 9, 64, generator=g), torch.randn(6, 5, 9, 64, generator=g)):
+        attend = batched_decode_attention if q.dim() == 3 else verify_reference
+        expected = attend(q, key_cache, value_cache, block_tables, seq_lens, 0.125)
+        bf16 = [t.bfloat16() for t in (q, key_cache, value_cache)]
+        expected_bf16 = attend(*(t.float() for t in bf16), block_tables, seq_lens, 0.125).bfloat16()
+        threads = torch.get_num_threads()
+        try:
+            for num_threads, num_seqs in [(1, 6), (1, 1), (2, 3), (2, 6)]:
+                torch.set_num_threads(num_threads)  # OpenMP's thread count, which the kernel deals its tasks by
+                got = c_paged_decode_attention(q[:num_seqs], key_cache, value_cache, block_tables[:num_seqs],
+                                               seq_lens[:num_seqs], 0.125)
+                torch.testing.assert_close(got, expected[:num_seqs], rtol=1e-5, atol=1e-5)
+                got = c_paged_decode_attention(bf16[0][:num_seqs], *bf16[1:], block_tables[:num_seqs],
+                                               seq_lens[:num_seqs], 0.125)
+                assert got.dtype == torch.bfloat16
+                torch.testing.assert_close(got, expected_bf16[:num_seqs])  # bf16's tolerance: one rounding
+        finally:
+            torch.set_num_threads(threads)
     assert cpu_kernels.supports(q, key_cache) and cpu_kernels.supports(*bf16[:2])
     assert not cpu_kernels.supports(q.half(), key_cache.half())
 

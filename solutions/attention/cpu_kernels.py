@@ -11,7 +11,9 @@ more queries of the same task: the context is still read once.
 The source is compiled on first use with the machine's C compiler (`gcc -O3 -march=native -fopenmp`, or `$CC`)
 into the course's cache folder, keyed by the source, the flags and the CPU, and loaded with `ctypes`; OpenMP
 binds to the runtime torch already loaded (the same `libgomp.so.1`), so the kernel and torch share one thread
-pool. It reads an fp32 or a bf16 cache on the CPU, computing in fp32; `supports` says whether a call qualifies.
+pool. It reads an fp32 or a bf16 cache on the CPU, computing in fp32 (a bf16 query's scores, on a CPU with
+AVX512-BF16, by the instruction that multiplies bf16 pairs exactly and adds them in fp32); `supports` says whether
+a call qualifies.
 
 Where this lives in vLLM: `csrc/cpu/attention.cpp` (`paged_attention_v1` / `_v2` for the CPU, in C++ with
 vector intrinsics), called from `vllm/v1/attention/backends/cpu_attn.py`.
@@ -46,18 +48,21 @@ def _cpu_identity() -> str:
 
 
 @functools.cache
-def _library() -> ctypes.CDLL:
-    """Build (once per source, flags and CPU) and load the kernel library."""
+def _library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """Build (once per source, flags and CPU) and load the kernel library. `extra_flags` follow `FLAGS`: the tests
+    build it with an instruction set turned off (`-mno-avx512bf16`), so that every path the source has for a CPU
+    without it runs here too."""
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise RuntimeError("the CPU paged-decode kernel needs a C compiler (gcc, or $CC); install gcc")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *FLAGS)).encode() + _cpu_identity().encode())
+    flags = (*FLAGS, *extra_flags)
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *flags)).encode() + _cpu_identity().encode())
     target = cache_dir() / "cpu_kernels" / f"paged_decode-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
         build = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"], capture_output=True, text=True
+            [compiler, *flags, str(SOURCE), "-o", str(partial), "-lm"], capture_output=True, text=True
         )
         if build.returncode != 0:
             raise RuntimeError(f"compiling {SOURCE.name} failed:\n{build.stderr}")
@@ -96,14 +101,14 @@ def c_paged_decode_attention(
     num_q_heads, head_dim = q.shape[-2:]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     # Every tensor the C code reads is held by a name here until it returns: its memory must outlive the call.
-    # The queries and the output are fp32 whatever the cache holds (they are small; the cache is what is read).
-    q32, keys, values = q.float().contiguous(), key_cache.contiguous(), value_cache.contiguous()
+    # The queries come in the cache's dtype, the output is fp32 (it is small; the cache is what is read).
+    queries, keys, values = q.contiguous(), key_cache.contiguous(), value_cache.contiguous()
     tables, lens = block_tables.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous()
-    out = torch.empty_like(q32)
+    out = torch.empty(q.shape, dtype=torch.float32)
     library = _library()
     entry = library.paged_decode_attention_bf16 if keys.dtype == torch.bfloat16 else library.paged_decode_attention
     entry(
-        q32.data_ptr(), keys.data_ptr(), values.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+        queries.data_ptr(), keys.data_ptr(), values.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
         num_seqs, num_queries, num_q_heads, num_kv_heads, head_dim, block_size, tables.shape[1], scale,
     )
     return out.to(q.dtype)

@@ -13,9 +13,12 @@
  * prefetcher stops at every jump from one block to the next, so the kernel asks for the slot AHEAD positions on
  * while it works on the current one, into the L2 cache: asking for whole blocks at once, or into the L1, filled
  * the core's few outstanding-miss slots and stalled it. The arithmetic is written on vectors of LANES floats
- * (GCC's vector extensions: one AVX-512 register, two AVX2 ones), so a head's dot product is head_dim / LANES
- * multiply-adds and one tree of shuffles, and the softmax's exponentials run LANES at a time. OpenMP deals the
- * tasks over the cores (torch's OpenMP runtime: the library binds to the one torch loaded).
+ * (GCC's vector extensions: one AVX-512 register, two AVX2 ones). Pass 1 takes 16 positions of a row at a time:
+ * each dot product is head_dim / LANES multiply-adds into a vector of partial sums, and the 16 vectors are added
+ * up together (`fold16`, 15 two-vector shuffles where a tree per position takes 4 each). Pass 2 loads each value
+ * once for the query rows that read its head (a GQA group, a verify's tokens), their running sums in registers.
+ * The softmax's exponentials run LANES at a time. OpenMP deals the tasks over the cores (torch's OpenMP runtime:
+ * the library binds to the one torch loaded).
  *
  * Measured on a 2-core AMD EPYC (2026-11-24), SmolLM2's heads, shuffled block tables, a cache larger than the L3,
  * medians of 5 paired runs, against the version before (blocks prefetched two ahead into the L1, scalar sums and
@@ -23,21 +26,22 @@
  * instead of 1.96 at block size 16; 32 of 37-300 tokens 0.40 instead of 0.62; one of 1,000 tokens 0.12 instead of
  * 0.23. The first case reads the cache at 23 GB/s, where a plain sum over the same blocks streams at 28.
  * Pass 1 then walked the block position by position, all rows at each; it now walks it row by row (each row's
- * scores written in order, the block's keys kept in the L1), which a verify's extra rows need: on the same machine
- * (2026-11-26, loaded by other work, so roughly), 5 query tokens per sequence at 500 tokens of context took 0.42
- * ms for one sequence and 7.6 for eight, where a row per token through the old loop took 0.71 and 14.7; decodes
- * did not slow down (0.14 instead of 0.18 ms for one sequence, 1.5 instead of 1.8 for eight).
+ * scores written in order, the block's keys kept in the L1), which a verify's extra rows need.
  *
  * A speculative verify brings num_queries tokens per sequence (1 + k, the same for every sequence of a call): they
  * are more query rows of the same task, so the context is still read once; the causal mask is a shorter row of
  * scores for each earlier token (token r of Q sees the first seq_len - (Q - 1 - r) positions).
  *
- * The cache may be fp32 or bf16 (`paged_decode_attention_bf16`): a bf16 value is the upper half of the fp32 one, so
- * widening it is a shift, done as the vector is loaded; all arithmetic stays fp32. The cache is what the kernel
- * streams, so half the bytes is (nearly) half the time; q and out are small and stay fp32.
+ * The cache may be fp32 or bf16 (`paged_decode_attention_bf16`, whose queries are bf16 too): a bf16 value is the
+ * upper half of the fp32 one, so widening it is a shift, done as the vector is loaded. On a CPU with AVX512-BF16
+ * (and head_dim a multiple of 32) pass 1 widens nothing: vdpbf16ps multiplies the query's and the key's bf16 pairs
+ * (the products are exact in fp32) and adds them in fp32. The softmax and pass 2 stay fp32. The output is fp32.
+ * Same machine, 2026-11-28, bf16, 64 sequences of 270 tokens, block 128: 0.75 ms per layer before these three
+ * changes (a tree of shuffles per score, the widening in pass 1, each value widened again for every row of its
+ * group), 0.55 after, 24 GB/s; with every K/V already in the cache the kernel's arithmetic alone takes about 0.26.
  *
- * Layouts (contiguous): q, out (B, num_queries, Hq, D) fp32; key_cache, value_cache (num_blocks, block_size, Hkv,
- * D) fp32 or bf16; block_tables (B, max_blocks) int64; seq_lens (B,) int64, each the length the sequence's last
+ * Layouts (contiguous): q (B, num_queries, Hq, D) in the cache's dtype, out the same shape in fp32; key_cache,
+ * value_cache (num_blocks, block_size, Hkv, D) fp32 or bf16; block_tables (B, max_blocks) int64; seq_lens (B,) int64, each the length the sequence's last
  * query token sees.
  * Query head h reads K/V head h / (Hq / Hkv).
  * D is a multiple of LANES, at most MAX_HEAD_DIM.
@@ -46,6 +50,9 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #define MAX_HEAD_DIM 256
 #define LANES 16            /* floats per vector */
@@ -65,8 +72,21 @@ static inline void store(float *p, vfloat x) { *(vfloat_unaligned *)p = x; }
  * the float's upper half). `bf16` is a constant wherever this is inlined, so the test costs nothing. */
 static inline vfloat load_kv(const void *cache, int64_t i, const int bf16) {
     if (!bf16) return load((const float *)cache + i);
+#ifdef __AVX512F__ /* one zero-extending load and a shift, where GCC's generic conversion takes six instructions */
+    const __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + i));
+    return (vfloat)_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16);
+#else
     const vint wide = __builtin_convertvector(*(const bf16_unaligned *)((const uint16_t *)cache + i), vint);
     return (vfloat)(wide << 16);
+#endif
+}
+
+/* One bf16 value as a float: its 16 bits are the float's upper half. */
+static inline float bf16_to_float(uint16_t x) {
+    const uint32_t bits = (uint32_t)x << 16;
+    float f;
+    __builtin_memcpy(&f, &bits, sizeof f);
+    return f;
 }
 
 /* The sum of x's lanes: four shuffle-and-add steps, each folding the upper half of the live lanes onto the lower. */
@@ -76,6 +96,27 @@ static inline float lane_sum(vfloat x) {
     x += __builtin_shuffle(x, (vint){2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
     x += __builtin_shuffle(x, (vint){1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0});
     return x[0];
+}
+
+/* The lane sums of 16 vectors d[0..15], as one vector (lane u: the sum of d[u]'s lanes), in 15 two-vector shuffles
+ * and adds where 16 lane_sums take 64: each level adds every pair's lower halves to their upper halves, so a vector
+ * holds two half-reduced inputs side by side, then four quarter-reduced ones, and so on, in order. */
+static inline vfloat fold16(vfloat *d) {
+    static const vint lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    static const vint hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    static const vint lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    static const vint hi4 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    static const vint lo2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    static const vint hi2 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    static const vint lo1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    static const vint hi1 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+#define FOLD(i, lo, hi) \
+    (__builtin_shuffle(d[2 * (i)], d[2 * (i) + 1], lo) + __builtin_shuffle(d[2 * (i)], d[2 * (i) + 1], hi))
+    for (int i = 0; i < 8; i++) d[i] = FOLD(i, lo8, hi8);
+    for (int i = 0; i < 4; i++) d[i] = FOLD(i, lo4, hi4);
+    for (int i = 0; i < 2; i++) d[i] = FOLD(i, lo2, hi2);
+    return FOLD(0, lo1, hi1);
+#undef FOLD
 }
 
 /* e^x for x <= 0 in single precision (about 2 ulp), lane by lane: x = n·ln 2 + r with |r| <= ln 2 / 2, e^r by its
@@ -120,12 +161,44 @@ static inline int64_t tokens_in_block(int64_t len, int64_t i, int64_t block_size
     return len - i * block_size < block_size ? len - i * block_size : block_size;
 }
 
+#ifdef __AVX512BF16__
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
+
+/* A query row times the key at element k of the cache, as LANES partial sums (lane_sum or fold16 adds them up).
+ * With `dp` (a bf16 cache on a CPU with AVX512-BF16, head_dim a multiple of 32) the row's bf16 query `qb` and the
+ * key's bf16 values go straight into vdpbf16ps, 32 pairs an instruction: the products are exact in fp32 and the
+ * sums fp32, nothing is widened, and the scale is applied to the score instead. Otherwise the row's scaled fp32
+ * query `qf` meets the key widened as it loads. */
+static inline vfloat dot_key(const float *qf, const uint16_t *qb, const void *key_cache, int64_t k,
+                             const int64_t head_dim, const int bf16, const int dp) {
+#if HAVE_DPBF16
+    if (dp) {
+        const uint16_t *key = (const uint16_t *)key_cache + k;
+        __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(qb),
+                                      (__m512bh)_mm512_loadu_si512(key));
+        for (int64_t c = 2 * LANES; c < head_dim; c += 2 * LANES)
+            dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(qb + c), (__m512bh)_mm512_loadu_si512(key + c));
+        return (vfloat)dot;
+    }
+#endif
+    (void)qb;
+    vfloat dot = load(qf) * load_kv(key_cache, k, bf16);
+    for (int64_t c = 1; c < head_dim / LANES; c++)
+        dot += load(qf + c * LANES) * load_kv(key_cache, k + c * LANES, bf16);
+    return dot;
+}
+
+#define MAX_ROWS 4 /* query rows whose running sums pass 2 keeps in registers at once (at head_dim <= 64) */
+
 /* One task: sequence `b`, K/V heads [h_begin, h_end) and their query heads, for each of its num_queries tokens.
  * `scores` holds (rows × len) floats, `acc` (rows × head_dim): the thread's own workspace. Inlined with head_dim a
  * constant (64, 128) where it can be, so the loops over it unroll and a head's running sums stay in registers;
- * and with `bf16` a constant, so each cache type gets its own loads. */
+ * and with `bf16` a constant, so each cache type gets its own loads. q is fp32, or bf16 with a bf16 cache. */
 static inline __attribute__((always_inline)) void attend_task(
-    const float *q, const void *key_cache, const void *value_cache, const int64_t *table, int64_t len, float *out,
+    const void *q, const void *key_cache, const void *value_cache, const int64_t *table, int64_t len, float *out,
     int64_t num_queries, int64_t h_begin, int64_t h_end, int64_t num_q_heads, int64_t num_kv_heads,
     const int64_t head_dim, int64_t block_size, float scale, float *scores, float *qs, float *acc, const int bf16) {
     const int64_t group = num_q_heads / num_kv_heads;
@@ -133,29 +206,45 @@ static inline __attribute__((always_inline)) void attend_task(
     const int64_t num_blocks = (len + block_size - 1) / block_size;
     const int64_t first_q = h_begin * group, task_q = (h_end - h_begin) * group, num_q = num_queries * task_q;
     const int64_t task_floats = (h_end - h_begin) * head_dim, head_offset = h_begin * head_dim;
+    const int dp = HAVE_DPBF16 && bf16 && head_dim % (2 * LANES) == 0;
+    const float score_scale = dp ? scale : 1.0f; /* without dp the scale is in qs */
     /* Row j is query token j / task_q (of num_queries) and the task's query head j % task_q. */
 #define Q_ROW(j) ((((j) / task_q) * num_q_heads + first_q + (j) % task_q) * head_dim)
 #define KV_HEAD(j) (((j) % task_q / group) * head_dim)
-    for (int64_t j = 0; j < num_q; j++)
-        for (int64_t d = 0; d < head_dim; d++) qs[j * head_dim + d] = q[Q_ROW(j) + d] * scale;
+    if (!dp)
+        for (int64_t j = 0; j < num_q; j++)
+            for (int64_t d = 0; d < head_dim; d++)
+                qs[j * head_dim + d] = scale * (bf16 ? bf16_to_float(((const uint16_t *)q)[Q_ROW(j) + d])
+                                                    : ((const float *)q)[Q_ROW(j) + d]);
 
-    /* Pass 1: scores[j * len + position] = q_j · k_position (scaled), a block at a time, row by row: each row's
-     * scores are written in order, and the block's keys stay in the L1 for the next row. */
+    /* Pass 1: scores[j * len + position] = q_j · k_position (scaled), a block at a time, row by row, 16 positions
+     * at a time (their sums finished together by fold16): each row's scores are written in order, and the
+     * block's keys stay in the L1 for the next row. */
     for (int64_t i = 0; i < num_blocks; i++) {
         const int64_t keys = block_at(table, i, block_stride, head_offset);
         const int64_t n = tokens_in_block(len, i, block_size);
         for (int64_t j = 0; j < num_q; j++) {
             const int64_t k = keys + KV_HEAD(j);
-            const float *qj = qs + j * head_dim;
+            const float *qf = qs + j * head_dim;
+            const uint16_t *qb = (const uint16_t *)q + Q_ROW(j); /* read only with dp, where q is bf16 */
             float *s = scores + j * len + i * block_size;
-            for (int64_t t = 0; t < n; t++) {
-                if (j == 0) /* the first row's walk over the block brings the slots in for the others */
+            int64_t t = 0;
+            for (; t + LANES <= n; t += LANES) {
+                vfloat dots[LANES];
+#pragma GCC unroll 16
+                for (int64_t u = 0; u < LANES; u++) {
+                    if (j == 0) /* the first row's walk over the block brings the slots in for the others */
+                        prefetch_position(key_cache, table, i * block_size + t + u + AHEAD, len, block_size,
+                                          block_stride, token_stride, head_offset, task_floats, bf16);
+                    dots[u] = dot_key(qf, qb, key_cache, k + (t + u) * token_stride, head_dim, bf16, dp);
+                }
+                store(s + t, fold16(dots) * score_scale);
+            }
+            for (; t < n; t++) {
+                if (j == 0)
                     prefetch_position(key_cache, table, i * block_size + t + AHEAD, len, block_size, block_stride,
                                       token_stride, head_offset, task_floats, bf16);
-                vfloat dot = load(qj) * load_kv(key_cache, k + t * token_stride, bf16);
-                for (int64_t c = 1; c < head_dim / LANES; c++)
-                    dot += load(qj + c * LANES) * load_kv(key_cache, k + t * token_stride + c * LANES, bf16);
-                s[t] = lane_sum(dot);
+                s[t] = lane_sum(dot_key(qf, qb, key_cache, k + t * token_stride, head_dim, bf16, dp)) * score_scale;
             }
         }
     }
@@ -191,24 +280,40 @@ static inline __attribute__((always_inline)) void attend_task(
         inv_sums[j] = 1.0f / (sum + lane_sum(sums));
     }
 
-    /* Pass 2: acc_j = sum over positions of p_j(position) · v_position. */
+    /* Pass 2: acc_j = sum over positions of p_j(position) · v_position. Each value is loaded (and widened) once
+     * for up to MAX_ROWS of the rows that read its head (a query group, and a verify's tokens), their running sums
+     * held in registers over the block. */
+    const int64_t max_rows = head_dim <= 64 ? MAX_ROWS : head_dim <= 128 ? 2 : 1, head_rows = num_queries * group;
     for (int64_t j = 0; j < num_q * head_dim; j++) acc[j] = 0.0f;
     for (int64_t i = 0; i < num_blocks; i++) {
-        const int64_t values = block_at(table, i, block_stride, head_offset);
         const int64_t n = tokens_in_block(len, i, block_size);
-        for (int64_t j = 0; j < num_q; j++) {
-            const int64_t v = values + KV_HEAD(j);
-            const float *p = scores + j * len + i * block_size;
-            vfloat a[MAX_HEAD_DIM / LANES]; /* registers, when head_dim is a constant */
-            for (int64_t c = 0; c < head_dim / LANES; c++) a[c] = load(acc + j * head_dim + c * LANES);
-            for (int64_t t = 0; t < n; t++) {
-                if (j == 0) /* the first head's walk over the block brings the slots in for the others */
-                    prefetch_position(value_cache, table, i * block_size + t + AHEAD, len, block_size, block_stride,
-                                      token_stride, head_offset, task_floats, bf16);
-                for (int64_t c = 0; c < head_dim / LANES; c++)
-                    a[c] += p[t] * load_kv(value_cache, v + t * token_stride + c * LANES, bf16);
+        for (int64_t h = 0; h < h_end - h_begin; h++) {
+            const int64_t v = block_at(table, i, block_stride, head_offset) + h * head_dim;
+            for (int64_t r0 = 0; r0 < head_rows; r0 += max_rows) {
+                const int64_t m = head_rows - r0 < max_rows ? head_rows - r0 : max_rows;
+                const float *p[MAX_ROWS];
+                float *a_out[MAX_ROWS];
+                vfloat a[MAX_ROWS][MAX_HEAD_DIM / LANES];
+                for (int64_t x = 0; x < m; x++) { /* row r of head h: query token r / group, its group's r % group */
+                    const int64_t r = r0 + x, j = (r / group) * task_q + h * group + r % group;
+                    p[x] = scores + j * len + i * block_size;
+                    a_out[x] = acc + j * head_dim;
+                    for (int64_t c = 0; c < head_dim / LANES; c++) a[x][c] = load(a_out[x] + c * LANES);
+                }
+                for (int64_t t = 0; t < n; t++) {
+                    if (h == 0 && r0 == 0) /* the first walk over the block brings the slots in for the others */
+                        prefetch_position(value_cache, table, i * block_size + t + AHEAD, len, block_size,
+                                          block_stride, token_stride, head_offset, task_floats, bf16);
+                    vfloat val[MAX_HEAD_DIM / LANES];
+                    for (int64_t c = 0; c < head_dim / LANES; c++)
+                        val[c] = load_kv(value_cache, v + t * token_stride + c * LANES, bf16);
+                    for (int64_t x = 0; x < MAX_ROWS; x++)
+                        if (x < m)
+                            for (int64_t c = 0; c < head_dim / LANES; c++) a[x][c] += p[x][t] * val[c];
+                }
+                for (int64_t x = 0; x < m; x++)
+                    for (int64_t c = 0; c < head_dim / LANES; c++) store(a_out[x] + c * LANES, a[x][c]);
             }
-            for (int64_t c = 0; c < head_dim / LANES; c++) store(acc + j * head_dim + c * LANES, a[c]);
         }
     }
     for (int64_t j = 0; j < num_q; j++)
@@ -219,7 +324,7 @@ static inline __attribute__((always_inline)) void attend_task(
 
 /* Every task of a call, dealt over the cores; `bf16` (a constant in each entry point below) says the cache's type. */
 static inline __attribute__((always_inline)) void decode(
-    const float *q, const void *key_cache, const void *value_cache, const int64_t *block_tables,
+    const void *q, const void *key_cache, const void *value_cache, const int64_t *block_tables,
     const int64_t *seq_lens, float *out, int64_t num_seqs, int64_t num_queries, int64_t num_q_heads,
     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, const int bf16) {
     /* Whole sequences per task when there are at least two per core; else one K/V head per task. */
@@ -236,7 +341,7 @@ static inline __attribute__((always_inline)) void decode(
             const int64_t b = task / tasks_per_seq, h_begin = (task % tasks_per_seq) * heads_per_task;
             const int64_t h_end = h_begin + heads_per_task, len = seq_lens[b];
             const int64_t *table = block_tables + b * max_blocks;
-            const float *qb = q + b * num_queries * num_q_heads * head_dim;
+            const void *qb = (const char *)q + b * num_queries * num_q_heads * head_dim * (bf16 ? 2 : 4);
             float *ob = out + b * num_queries * num_q_heads * head_dim;
             if (head_dim == 64)
                 attend_task(qb, key_cache, value_cache, table, len, ob, num_queries, h_begin, h_end, num_q_heads,
@@ -260,7 +365,7 @@ void paged_decode_attention(const float *q, const float *key_cache, const float 
            head_dim, block_size, max_blocks, scale, 0);
 }
 
-void paged_decode_attention_bf16(const float *q, const uint16_t *key_cache, const uint16_t *value_cache,
+void paged_decode_attention_bf16(const uint16_t *q, const uint16_t *key_cache, const uint16_t *value_cache,
                                  const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t num_seqs,
                                  int64_t num_queries, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
                                  int64_t block_size, int64_t max_blocks, float scale) {
