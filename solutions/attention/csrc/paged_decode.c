@@ -41,8 +41,8 @@
  * group), 0.55 after, 24 GB/s; with every K/V already in the cache the kernel's arithmetic alone takes about 0.26.
  *
  * Layouts (contiguous): q (B, num_queries, Hq, D) in the cache's dtype, out the same shape in fp32; key_cache,
- * value_cache (num_blocks, block_size, Hkv, D) fp32 or bf16; block_tables (B, max_blocks) int64; seq_lens (B,) int64, each the length the sequence's last
- * query token sees.
+ * value_cache (num_blocks, block_size, Hkv, D) fp32 or bf16; block_tables (B, max_blocks) int64; seq_lens (B,)
+ * int64, each the length the sequence's last query token sees.
  * Query head h reads K/V head h / (Hq / Hkv).
  * D is a multiple of LANES, at most MAX_HEAD_DIM.
  */
