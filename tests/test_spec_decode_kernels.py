@@ -8,7 +8,7 @@ per sequence, then causal attention) on a copy of the same cache. The Triton bac
 a GPU when there is one (`grading.devices.DEVICE`), else in Triton's interpreter, so its shapes stay small; the
 inductor backend is the CPU's fast path, tested on the CPU: its hand-written C kernel (heads of 16 floats), which
 scores a verify's tokens in one read of the context, and its compiled loop (heads of 8), which takes each verify
-token as a decode of its own length.
+token as a decode of its own length. The C kernel also takes prefills, cut into pieces of 16 tokens.
 """
 
 import pytest
@@ -126,3 +126,11 @@ def test_a_verify_token_sees_exactly_the_tokens_before_it():
         outputs.append(InductorAttentionBackend(kv_cache, metadata).forward(0, q, k_step, v_step))
     assert torch.equal(outputs[0][:4], outputs[1][:4])
     assert not torch.allclose(outputs[0][4], outputs[1][4])
+
+
+def test_prefills_cut_into_pieces_equal_the_oracle():
+    """The inductor backend attends prefills in place too, in pieces of 16 query tokens (verify-shaped calls of the
+    C kernel): a prompt of a piece and one token more (its last piece moved back over 15 rows written already),
+    one of exactly two pieces, chunks after a context, beside a decode and a verify in the same step."""
+    batch = [(0, 17, 0), (0, 32, 0), (13, 45, 0), (3, 40, 0), (5, 1, 0), (6, 1, 3)]
+    check_backend_against_the_oracle(InductorAttentionBackend, 16, torch.device("cpu"), batch, seed=20)

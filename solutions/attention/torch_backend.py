@@ -96,6 +96,14 @@ class TorchAttentionBackend:
             queries = q[rows] if n == 1 else q[rows].view(-1, n, *q.shape[1:])
             attended = self.decode_attention(queries, key_cache, value_cache, tables, seq_lens, scale)
             out[rows] = attended.reshape(-1, *q.shape[1:])  # (Bn * n, Hq, D)
+        if self.prefills:
+            self.prefill_attention(q, k, v, key_cache, value_cache, out, scale)
+        return out
+
+    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
+                          value_cache: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+        """The prefills' rows of `out`, one sequence at a time: its new tokens with each other, or with its
+        context gathered from its blocks."""
         starts, seq_lens = self.query_starts, self.seq_lens
         for b in self.prefills:
             rows = slice(starts[b], starts[b + 1])
@@ -106,7 +114,6 @@ class TorchAttentionBackend:
                 keys = gather_kv(key_cache, block_table, seq_lens[b])
                 values = gather_kv(value_cache, block_table, seq_lens[b])
                 out[rows] = causal_context_attention(q[rows], keys, values, scale)
-        return out
 
 
 def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
