@@ -76,7 +76,8 @@ def test_c_decode_kernel_at_smollm2s_shape_over_long_contexts(instruction_set, m
     """The C kernel (`solutions/attention/cpu_kernels.py`) at SmolLM2's heads (9 query, 3 K/V, D 64), block 16,
     contexts up to 1,000 tokens on shuffled tables wider than any sequence needs, from an fp32 and from a bf16 cache,
     for decodes and for a verify's 5 tokens per sequence (15 rows per K/V head, more than pass 2 holds at once).
-    bf16 against the fp32 result on the same bf16 values: only the output's rounding to bf16 may differ. Both ways
+    bf16 against the fp32 result on the same bf16 values: only the output's rounding to bf16 may differ, and without
+    vdpbf16ps nothing else does (the kernel's own fp32 result, rounded as torch rounds, bit for bit). Both ways
     of dealing the work: whole sequences per task (at least two sequences per thread), and one K/V head per task
     (fewer). fp16 is left to the compiled loop."""
     from solutions.attention import cpu_kernels
@@ -105,6 +106,10 @@ def test_c_decode_kernel_at_smollm2s_shape_over_long_contexts(instruction_set, m
                                                seq_lens[:num_seqs], 0.125)
                 assert got.dtype == torch.bfloat16
                 torch.testing.assert_close(got, expected_bf16[:num_seqs])  # bf16's tolerance: one rounding
+                if INSTRUCTION_SETS[instruction_set]:  # no vdpbf16ps: fp32 arithmetic on the widened values, rounded
+                    widened = c_paged_decode_attention(bf16[0][:num_seqs].float(), *(t.float() for t in bf16[1:]),
+                                                       block_tables[:num_seqs], seq_lens[:num_seqs], 0.125)
+                    assert torch.equal(got, widened.bfloat16()), "rounded to bf16 as torch rounds"
         finally:
             torch.set_num_threads(threads)
     assert cpu_kernels.supports(q, key_cache) and cpu_kernels.supports(*bf16[:2])

@@ -101,14 +101,14 @@ def c_paged_decode_attention(
     num_q_heads, head_dim = q.shape[-2:]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     # Every tensor the C code reads is held by a name here until it returns: its memory must outlive the call.
-    # The queries come in the cache's dtype, the output is fp32 (it is small; the cache is what is read).
+    # The queries and the output are in the cache's dtype (the kernel computes in fp32).
     queries, keys, values = q.contiguous(), key_cache.contiguous(), value_cache.contiguous()
     tables, lens = block_tables.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous()
-    out = torch.empty(q.shape, dtype=torch.float32)
+    out = torch.empty_like(queries)
     library = _library()
     entry = library.paged_decode_attention_bf16 if keys.dtype == torch.bfloat16 else library.paged_decode_attention
     entry(
         queries.data_ptr(), keys.data_ptr(), values.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
         num_seqs, num_queries, num_q_heads, num_kv_heads, head_dim, block_size, tables.shape[1], scale,
     )
-    return out.to(q.dtype)
+    return out
