@@ -115,8 +115,8 @@ def test_bfloat16_through_the_triton_kernels_agrees_with_float32():
 
 
 def test_bfloat16_fast_path_reads_its_cache_in_the_c_kernel_and_agrees_with_float32():
-    """The CPU fast path in bf16: decodes go to the C kernel, which reads the bf16 cache as it lies (widening each
-    value to fp32 as it loads it), not to the compiled loop; its greedy streams stay close to float32's."""
+    """The CPU fast path in bf16: decodes (and prefills, in pieces) go to the C kernel, which reads the bf16 cache as
+    it lies (computing in fp32), not to the compiled loop; its greedy streams stay close to float32's."""
     from solutions.attention import cpu_kernels
 
     bf16 = tiny_llm(attention_backend="inductor", dtype="bfloat16", enforce_eager=True)
