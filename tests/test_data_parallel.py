@@ -92,6 +92,15 @@ def test_two_replicas_give_one_replicas_tokens_and_hugging_faces(tiny):
     assert_no_leak(scheduler)
 
 
+def test_greedy_and_seeded_samples_in_one_batch_give_one_replicas_tokens(tiny):
+    """Only a sequence that draws has its generator's state sent to its replica and back: greedy and seeded ones in
+    the same steps, on both replicas, sample what one replica samples."""
+    path, batch, (greedy_one, sampled_one), two = tiny
+    mixed = [GREEDY if i % 2 else SAMPLED for i in range(len(batch))]
+    expected = [greedy_one[i] if i % 2 else sampled_one[i] for i in range(len(batch))]
+    assert sampled_token_ids(two, batch, mixed) == expected
+
+
 @pytest.mark.parametrize("policy", PLACEMENT_POLICIES)
 def test_every_placement_policy_gives_the_same_tokens_on_both_replicas(tiny, policy):
     _, batch, (greedy_one, _), two = tiny

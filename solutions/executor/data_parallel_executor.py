@@ -8,7 +8,8 @@ keeps the books of for it) and a runner that samples. Each step the engine core'
 sequences, its block copies) and each starts its forward pass; `sample_tokens` sends each its rows of the step's
 grammar masks and gathers the sampled tokens, in the scheduler's order (replica by replica). Sampling stays
 reproducible wherever a sequence runs: its generator lives with the engine core, and its state travels to the
-worker and back each step.
+worker and back each step it samples — a greedy sequence's does not (it draws nothing; a generator's state is
+5 KB, more than a sequence's tokens).
 
 On the CPU the replicas share the cores: each worker is pinned to its own slice of this process's CPUs (where the
 platform allows) and runs torch on that many threads (or `cpu_threads`). On GPUs replica r runs on cuda:r.
@@ -80,13 +81,13 @@ def run_replica(replica: int, vllm_config: VllmConfig, conn: Connection, cpus: s
 
 
 def replica_busy_loop(runner: ModelRunner, conn: Connection) -> None:
-    """Each step: a part of the batch and its sequences' generator states; the forward pass; then the rows of the
-    grammar masks (or None); sample; send the tokens and the generators' new states back."""
+    """Each step: a part of the batch and its sampled sequences' generator states; the forward pass; then the rows
+    of the grammar masks (or None); sample; send the tokens and those generators' new states back."""
     while (message := conn.recv()) is not None:
         part, states = message
         runner.execute_model(part)
         mask = conn.recv()
-        _, seqs = sampling_rows(part)
+        seqs = [seq for seq in sampling_rows(part)[1] if seq.seq_id in states]  # the ones that draw
         for seq in seqs:
             seq.generator = torch.Generator().set_state(states[seq.seq_id])
         grammar = None
@@ -136,11 +137,12 @@ class DataParallelExecutor(Executor):
             raise RuntimeError(f"data-parallel replicas {not_ready} died while loading the model")
 
     def execute_model(self, scheduler_output: DataParallelSchedulerOutput) -> None:
-        """Send each live replica its part of the step and its generators' states; each starts its forward pass.
-        The logits stay on the replicas (they sample)."""
+        """Send each live replica its part of the step and the states of its sampled (not greedy) sequences'
+        generators; each starts its forward pass. The logits stay on the replicas (they sample)."""
         self._step = scheduler_output
         for replica, part in scheduler_output.replica_outputs.items():
-            states = {seq.seq_id: seq.generator.get_state() for seq in sampling_rows(part)[1]}
+            states = {seq.seq_id: seq.generator.get_state() for seq in sampling_rows(part)[1]
+                      if not seq.sampling_params.greedy}
             self._send(replica, (part, states))
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
