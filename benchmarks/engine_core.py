@@ -41,6 +41,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import numpy as np
 import torch
 
+from benchmarks.machine import threads_note
+
 MODEL = "smollm2-135m"
 ENGINE_ARGS = dict(max_num_seqs=64, max_model_len=512, seed=0)
 
@@ -144,7 +146,7 @@ def summarise(run: dict, baseline: dict) -> dict:
 
 def print_table(rows: list[dict], num_requests: int, prompt_len: int, max_tokens: int) -> None:
     print(f"{num_requests} streaming requests, prompts ~{prompt_len} tokens, {max_tokens} output tokens, "
-          f"{MODEL} fp32, torch threads {torch.get_num_threads()}")
+          f"{MODEL} fp32, {threads_note(ENGINE_ARGS.get('cpu_threads'))}")
     header = ("path", "steps", "step ms p50", "p90", "x offline", "tok/s", "x offline", "transfer ms p50", "p90",
               "outputs/req")
     print(" | ".join(f"{h:>12}" for h in header))
@@ -196,7 +198,7 @@ def host_time_vs_context(
 
 def print_host_time(rows: list[dict], num_seqs: int) -> None:
     print(f"{num_seqs} decoding sequences, tiny Llama (2 layers, 64 wide), torch backend eager, block_size 16; "
-          f"median ms per step; torch threads {torch.get_num_threads()}")
+          f"median ms per step; {threads_note(ENGINE_ARGS.get('cpu_threads'))}")
     header = ("context", "schedule", "prepare", "forward", "sample", "postprocess", "host", "block writes")
     print(" | ".join(f"{h:>11}" for h in header))
     for r in rows:
@@ -208,11 +210,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="8 requests, 16 output tokens")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    parser.add_argument("--threads", type=int, help="torch threads for every path (default: torch's, one per core)")
+    parser.add_argument("--threads", type=int,
+                        help="torch threads for every path, fixed (default: the engine's thread policy)")
     parser.add_argument("--host-time", action="store_true",
                         help="host time per decode step of 64 sequences at several context lengths (tiny model)")
     args = parser.parse_args()
-    if args.threads is not None:
+    if args.threads is not None:  # fixed: the engines' thread policy would otherwise choose per step
+        ENGINE_ARGS["cpu_threads"] = args.threads
         torch.set_num_threads(args.threads)
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read by torch when the spawned core process starts
     if args.host_time:

@@ -85,6 +85,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import numpy as np
 import torch
 
+from benchmarks.machine import threads_note
 from benchmarks.w64 import draw_workload
 
 MODEL = "smollm2-135m"
@@ -676,7 +677,7 @@ def main() -> None:
         print(json.dumps(summary))
         return
     print(f"workload: {num_requests} requests, prompts and outputs uniform in [{low}, {high}] tokens, "
-          f"{sum(output_lens)} useful output tokens; SmolLM2-135M {args.dtype}, {torch.get_num_threads()} threads; "
+          f"{sum(output_lens)} useful output tokens; SmolLM2-135M {args.dtype}, {threads_note()}; "
           f"preload: {summary['preload']}\n")
     print(f"{'system':<48}{'tok/s':>8}{'× engine':>10}{'× fast':>8}")
     for name, value in systems.items():
