@@ -30,12 +30,12 @@ Where this lives in vLLM: `vllm/v1/attention/backends/cpu_attn.py` (the CPU back
 paged-attention kernels in `csrc/cpu/`).
 """
 
+import functools
 from collections.abc import Callable
 
 import torch
 
 from solutions.attention import cpu_kernels
-from solutions.attention.paged import AttentionMetadata, KVCache
 from solutions.attention.torch_backend import TorchAttentionBackend
 
 
@@ -145,14 +145,15 @@ class InductorAttentionBackend(TorchAttentionBackend):
     decode_attention = staticmethod(fast_decode_attention)
     max_decode_query_len = 16
 
-    def __init__(self, kv_cache: KVCache, metadata: AttentionMetadata) -> None:
-        super().__init__(kv_cache, metadata)
-        if not self.prefills:
-            return
+    @functools.cached_property
+    def pieces(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """The step's prefill pieces, made at the first layer that needs them: (their query rows (P * n,), where in
+        those rows each prefill row is first found (None: nowhere twice), each piece's length (what its last token
+        sees: the context and the new tokens to the piece's end) and its sequence's block table)."""
         n = self.max_decode_query_len
-        rows: list[int] = []  # the pieces' queries, piece after piece
-        keep: list[int] = []  # where in `rows` each prefill row is first found
-        lens: list[int] = []  # per piece: what its last token sees, the context and the new tokens to the piece's end
+        rows: list[int] = []
+        keep: list[int] = []
+        lens: list[int] = []
         sequences: list[int] = []
         for b in self.prefills:
             first, num_new = self.query_starts[b], self.query_starts[b + 1] - self.query_starts[b]  # num_new > n
@@ -163,9 +164,9 @@ class InductorAttentionBackend(TorchAttentionBackend):
                 lens.append(self.seq_lens[b] - num_new + begin + n)
                 sequences.append(b)
         device = self.slot_mapping.device
-        self.piece_rows, self.piece_lens = torch.tensor(rows, device=device), torch.tensor(lens, device=device)
-        self.piece_keep = None if len(keep) == len(rows) else torch.tensor(keep, device=device)
-        self.piece_tables = metadata.block_table_tensor[torch.tensor(sequences)].to(device=device, dtype=torch.long)
+        tables = self.metadata.block_table_tensor[torch.tensor(sequences)].to(device=device, dtype=torch.long)
+        keep_rows = None if len(keep) == len(rows) else torch.tensor(keep, device=device)
+        return torch.tensor(rows, device=device), keep_rows, torch.tensor(lens, device=device), tables
 
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
                           value_cache: torch.Tensor, out: torch.Tensor, scale: float) -> None:
@@ -173,12 +174,11 @@ class InductorAttentionBackend(TorchAttentionBackend):
         stored); the torch backend's way where the kernel does not apply."""
         if not cpu_kernels.supports(q, key_cache):
             return super().prefill_attention(q, k, v, key_cache, value_cache, out, scale)
-        n = self.max_decode_query_len
-        queries = q[self.piece_rows].view(-1, n, *q.shape[1:])  # (P, n, Hq, D)
-        attended = cpu_kernels.c_paged_decode_attention(
-            queries, key_cache, value_cache, self.piece_tables, self.piece_lens, scale
-        ).view(-1, *q.shape[1:])  # (P * n, Hq, D)
-        if self.piece_keep is None:
-            out[self.piece_rows] = attended
+        rows, keep, lens, tables = self.pieces
+        queries = q[rows].view(-1, self.max_decode_query_len, *q.shape[1:])  # (P, n, Hq, D)
+        attended = cpu_kernels.c_paged_decode_attention(queries, key_cache, value_cache, tables, lens, scale)
+        attended = attended.view(-1, *q.shape[1:])  # (P * n, Hq, D)
+        if keep is None:
+            out[rows] = attended
         else:
-            out[self.piece_rows[self.piece_keep]] = attended[self.piece_keep]
+            out[rows[keep]] = attended[keep]
