@@ -20,7 +20,7 @@ from grading.tiny_models import prompts_with_a_shared_head, sampled_token_ids, t
 from solutions import LLM, SamplingParams
 from solutions.core.data_parallel_kv_cache_manager import DataParallelKVCacheManager
 from solutions.core.kv_cache_manager import KVCacheManager
-from solutions.core.sched.data_parallel_scheduler import DataParallelScheduler
+from solutions.core.sched.data_parallel_scheduler import DataParallelModelRunnerOutput, DataParallelScheduler
 from solutions.core.sched.output import ModelRunnerOutput, sampling_rows
 from solutions.core.sched.placement import (
     PLACEMENT_POLICIES,
@@ -236,11 +236,14 @@ def make_seq(seq_id: int, tokens: list[int]) -> Sequence:
 
 
 def run_step(scheduler: DataParallelScheduler) -> None:
-    """One step, every sampling sequence given token 7 (the scheduler's side of a step, without a model)."""
+    """One step, every sampling sequence given token 7 (the scheduler's side of a step, without a model): every
+    replica scheduled comes back at once."""
     out = scheduler.schedule()
-    _, seqs = sampling_rows(out)
-    sampled = ModelRunnerOutput([s.seq_id for s in seqs], [[7] for _ in seqs], [None] * len(seqs))
-    scheduler.update_from_output(out, sampled)
+    sampled = {}
+    for r, part in out.replica_outputs.items():
+        _, seqs = sampling_rows(part)
+        sampled[r] = ModelRunnerOutput([s.seq_id for s in seqs], [[7] for _ in seqs], [None] * len(seqs))
+    scheduler.update_from_output(out, DataParallelModelRunnerOutput(sampled))
 
 
 def hand_built(num_replicas: int = 2, num_blocks: int = 16, placement=None) -> DataParallelScheduler:

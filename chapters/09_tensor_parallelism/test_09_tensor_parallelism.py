@@ -62,11 +62,11 @@ DECISIVE = {
         'return all_reduce(rows * mine[:, None].to(rows.dtype))',
     ],
     "execute_model_in_lockstep": [
-        'broadcast_object(scheduler_output)',
+        'worker.send_step(scheduler_output)',
         'return model_runner.execute_model(scheduler_output)',
     ],
     "worker_busy_loop": [
-        'while (scheduler_output := broadcast_object()) is not None:',
+        'while (scheduler_output := channel.recv_step()) is not None:',
     ],
 }
 DTYPES = (torch.float32, torch.bfloat16)
@@ -381,8 +381,8 @@ TINY_GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 TINY_ENGINE = dict(max_model_len=64, max_num_seqs=4, block_size=8, num_kv_blocks=32)
 ENGINE_BOUND_SECONDS = 60.0
 OUT_OF_LOCKSTEP = (
-    "rank 0 and the workers ran different collectives, so one waited for a peer that never came: is the step "
-    "broadcast before rank 0's own forward pass, and does every worker run every step it receives?"
+    "rank 0 and the workers ran different collectives, so one waited for a peer that never came (compare what "
+    "each side does in a step, and in which order)"
 )
 
 
@@ -484,9 +484,22 @@ def test_execute_model_in_lockstep_reports_a_dead_worker_by_name(impl):
         try:
             worker = llm.llm_engine.engine_core.engine_core.model_executor.workers[0]
             worker.kill()
-            worker.join(timeout=10)
             expect_dead_worker_named(llm, "LLM.generate at tensor_parallel_size=2 after tp-worker-1 was killed, "
                                           "with your execute_model_in_lockstep")
+        finally:
+            llm.llm_engine.shutdown()
+
+
+@pytest.mark.exercise("execute_model_in_lockstep")
+@pytest.mark.usefixtures("short_collective_timeout")
+def test_execute_model_in_lockstep_names_a_worker_that_dies_inside_a_step(impl, monkeypatch):
+    require_written(impl, "execute_model_in_lockstep", None, [], None)
+    monkeypatch.setattr(multiproc_executor, "ModelRunner", FailsOnRankOne)  # the forked worker builds this runner
+    with swap_in(impl, {"execute_model_in_lockstep": REFERENCE["execute_model_in_lockstep"]}):
+        llm = start_ranks()
+        try:
+            expect_dead_worker_named(llm, "LLM.generate at tensor_parallel_size=2 with your "
+                                          "execute_model_in_lockstep, tp-worker-1's third step raising MemoryError")
         finally:
             llm.llm_engine.shutdown()
 
@@ -494,24 +507,24 @@ def test_execute_model_in_lockstep_reports_a_dead_worker_by_name(impl):
 @pytest.mark.exercise("worker_busy_loop")
 @pytest.mark.usefixtures("short_collective_timeout")
 def test_worker_busy_loop_gives_one_ranks_tokens(impl):
-    require_written(impl, "worker_busy_loop", None)
+    require_written(impl, "worker_busy_loop", None, None)
     expect_one_ranks_tokens(impl, "worker_busy_loop", 2)
 
 
 @pytest.mark.exercise("worker_busy_loop")
 @pytest.mark.usefixtures("short_collective_timeout")
 def test_worker_busy_loop_stops_cleanly_at_shutdown(impl):
-    require_written(impl, "worker_busy_loop", None)
+    require_written(impl, "worker_busy_loop", None, None)
     with swap_in(impl, {"worker_busy_loop": REFERENCE["worker_busy_loop"]}):
         llm = start_ranks()
         workers = llm.llm_engine.engine_core.engine_core.model_executor.workers
         try:
             generate_bounded(llm, "LLM.generate at tensor_parallel_size=2 with your worker_busy_loop")
         finally:
-            llm.llm_engine.shutdown()  # broadcasts None, then waits for the workers (a stuck one is killed)
+            llm.llm_engine.shutdown()  # sends None, then waits for the workers (a stuck one is killed)
     expect_equal([w.exitcode for w in workers], [0], inputs="your worker_busy_loop, then the engine's shutdown, "
-                 "which broadcasts None: each worker's exit code (0: it returned; 1: it raised, as on a broadcast "
-                 "from a group already gone; -9: killed after 10 s of waiting for a step that never comes)")
+                 "which sends None: each worker's exit code (0: it returned; 1: it raised, as on a read from a pipe "
+                 "already closed; -9: killed after 10 s of waiting for a step that never comes)")
 
 
 class FailsOnRankOne(ModelRunner):
@@ -527,7 +540,7 @@ class FailsOnRankOne(ModelRunner):
 @pytest.mark.exercise("worker_busy_loop")
 @pytest.mark.usefixtures("short_collective_timeout")
 def test_worker_busy_loop_ends_on_a_failing_step_so_rank_zero_hears_at_once(impl, monkeypatch):
-    require_written(impl, "worker_busy_loop", None)
+    require_written(impl, "worker_busy_loop", None, None)
     monkeypatch.setattr(multiproc_executor, "ModelRunner", FailsOnRankOne)  # the forked worker builds this runner
     what = ("LLM.generate at tensor_parallel_size=2 with your worker_busy_loop, tp-worker-1's third step raising "
             "MemoryError")
@@ -540,13 +553,13 @@ def test_worker_busy_loop_ends_on_a_failing_step_so_rank_zero_hears_at_once(impl
         finally:
             llm.llm_engine.shutdown()
     # A worker that swallows the error leaves rank 0 in the step's all-reduce until the group's timeout; the worker
-    # then gives up on its own next broadcast, and which of the two timeouts speaks first is a race on a busy
+    # then gives up on its pipe when rank 0 goes, and which of the two timeouts speaks first is a race on a busy
     # machine. So "at once" is also checked as it is meant: before the timeout could have fired.
     if "Timed out" in message or "tp-worker-1" not in message or waited >= 0.8 * STEP_TIMEOUT_SECONDS:
         raise AssertionError(
             f"on input {what}: rank 0 should fail at once because the worker ended (its connection closed) and be "
             f"told that tp-worker-1 died; instead, after {waited:.1f} s:\n  {message}\n  Likely cause: the worker "
-            "caught its failing step and went back to wait for the next broadcast, leaving rank 0 waiting in the "
+            "caught its failing step and went back to wait for the next step, leaving rank 0 waiting in the "
             "step's all-reduce "
             f"until the group's {STEP_TIMEOUT_SECONDS:g} s timeout (for ever, with no timeout)")
 

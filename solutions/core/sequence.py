@@ -143,16 +143,6 @@ class Sequence:
         child.replica = self.replica  # a fork shares its parent's blocks, so it runs on its parent's replica
         return child
 
-    def __getstate__(self) -> dict[str, Any]:
-        """What a tensor-parallel worker is sent: everything but the generator and the grammar (only the driver
-        samples, and a grammar's matcher does not pickle)."""
-        return {name: getattr(self, name) for name in self.__slots__ if name not in ("generator", "grammar")}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        for name, value in state.items():
-            setattr(self, name, value)
-        self.generator, self.grammar = None, None
-
     def __repr__(self) -> str:
         return (
             f"Sequence(seq_id={self.seq_id}, status={self.status.name}, num_tokens={self.num_tokens}, "

@@ -1,9 +1,9 @@
-"""The tensor-parallel group of this process, and the three collectives the model and the executor use.
+"""The tensor-parallel group of this process, and the two collectives the model uses.
 
 Every rank (one process each) runs the same forward pass on its slice of the weights. Two collectives join the
 slices: an all-reduce sums the partial outputs of a row-parallel layer, and an all-gather joins the logits of
-the vocabulary's slices. A third, a broadcast of a Python object, carries each step's `SchedulerOutput` from
-rank 0 (the engine) to the others. gloo runs them on the CPU, NCCL on GPUs (one GPU per rank).
+the vocabulary's slices. (Each step itself reaches the other ranks through their worker pipes,
+`solutions/executor/worker_proc.py`.) gloo runs them on the CPU, NCCL on GPUs (one GPU per rank).
 
 A gloo collective returns once every rank has called it. (An NCCL call on GPUs returns once the operation is
 queued on the device; the wait happens there, and shows when the result is used.) So a rank that dies would leave
@@ -16,7 +16,6 @@ Where this lives in vLLM: `vllm/distributed/parallel_state.py` (`init_distribute
 
 import datetime
 import socket
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -72,10 +71,3 @@ def all_gather(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     parts = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(parts, padded)
     return torch.cat([part[..., :size] for part, size in zip(parts, sizes, strict=True)], dim=-1)
-
-
-def broadcast_object(obj: Any = None) -> Any:
-    """Rank 0's `obj`, on every rank (the others pass nothing)."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

@@ -1,177 +1,139 @@
-"""Data parallelism: N whole model replicas, one worker process each, every step run side by side.
+"""Data parallelism: N whole model replicas, one worker process each, each stepping on its own.
 
     LLM("smollm2-135m", data_parallel_size=2)
 
 Each worker loads the whole model and owns its KV cache (the pool the scheduler's `DataParallelKVCacheManager`
-keeps the books of for it) and a runner that samples. Each step the engine core's merged output
-(`DataParallelSchedulerOutput`) is cut by replica: `execute_model` sends every replica its own part at once (its
-sequences, its block copies) and each starts its forward pass; `sample_tokens` sends each its rows of the step's
-grammar masks and gathers the sampled tokens, in the scheduler's order (replica by replica). Sampling stays
-reproducible wherever a sequence runs: its generator lives with the engine core, and its state travels to the
-worker and back each step it samples — a greedy sequence's does not (it draws nothing; a generator's state is
-5 KB, more than a sequence's tokens).
+keeps the books of for it) and a runner that samples. The replicas do not wait for each other: each engine step
+`execute_model` sends every replica the scheduler has just given a step (`DataParallelSchedulerOutput`: only
+replicas whose previous step has come back are scheduled) its own part, as changes to the sequences it already
+holds (`WorkerProc.send_step`), and `sample_tokens` sends them their rows of the step's grammar masks, then waits
+for the first reply of any replica with a step in flight and returns every reply there by then
+(`DataParallelModelRunnerOutput`, replica by replica). So a replica that is given a long prefill holds up no other
+replica's decodes: their next steps are scheduled as soon as their tokens are back. Sampling stays reproducible
+wherever a sequence runs: its generator lives with the engine core, and its state travels to the worker and back
+each step it samples — a greedy sequence's does not (it draws nothing; a generator's state is 5 KB).
 
-On the CPU the replicas share the cores: each worker is pinned to its own slice of this process's CPUs (where the
-platform allows) and runs torch on that many threads (or `cpu_threads`). On GPUs replica r runs on cuda:r.
-
-A worker that dies (its pipe closes) or does not answer within `STEP_TIMEOUT_SECONDS` (it is then killed) is
-reported, not raised: the step's tokens of the other replicas come back as usual, and `take_dead_replicas` names it
+A worker that dies (its pipe closes) or does not answer within `STEP_TIMEOUT_SECONDS` of being sent its step (it is
+then killed) is reported, not raised, and stalls nobody for longer than that bound: `take_dead_replicas` names it
 for the engine core, which drops it from the scheduler (its sequences requeued on the others). A worker whose step
-raises is a bug, not a fault: its traceback is raised here. Workers are started with `worker_multiproc_method`
-("spawn" by default: each loads the checkpoint itself; "fork" copies this process, and then runs torch on one
-thread, as `MultiprocExecutor` explains).
+raises is a bug, not a fault: its traceback is raised here. Starting, pinning, sizing and stopping the workers is
+`worker_proc.py`'s, shared with tensor parallelism.
 
-Where this lives in vLLM: `vllm/v1/engine/core_client.py` (`DPAsyncMPClient`) and `vllm/v1/engine/core.py`
-(`DPEngineCoreProc`): each data-parallel rank is a whole engine core process with its own scheduler; vLLM's ranks
-also step in lockstep (its "wave" of dummy batches keeps their collectives aligned for expert parallelism), and the
-loss of one rank stops the engine. SGLang runs one server per replica behind its router.
+Where this lives in vLLM: `vllm/v1/engine/core_client.py` (`DPLBAsyncMPClient`) and `vllm/v1/engine/core.py`
+(`DPEngineCoreProc`): each data-parallel rank is a whole engine core process with its own scheduler. Dense models'
+ranks run independently, as here; only MoE models' ranks step in lockstep (`DPEngineCoreProc` is used for MoE
+models alone, and its "wave" of dummy batches keeps their expert-parallel collectives aligned). SGLang runs one
+server per replica behind its router.
 """
 
-import multiprocessing
-import os
 import time
-import traceback
 import weakref
-from concurrent.futures import Future
-from multiprocessing.connection import Connection, wait
 
 import torch
 
 from solutions.config import VllmConfig
-from solutions.core.sched.data_parallel_scheduler import DataParallelSchedulerOutput
-from solutions.core.sched.output import GrammarOutput, ModelRunnerOutput, sampling_rows
+from solutions.core.sched.data_parallel_scheduler import DataParallelModelRunnerOutput, DataParallelSchedulerOutput
+from solutions.core.sched.output import GrammarOutput, SchedulerOutput, sampling_rows
 from solutions.executor.abstract import Executor
+from solutions.executor.worker_proc import (
+    READY_TIMEOUT_SECONDS,
+    WorkerChannel,
+    gather,
+    poll,
+    shutdown_workers,
+    start_workers,
+)
 from solutions.model.loader import load_model
 from solutions.worker.model_runner import ModelRunner
 
-STEP_TIMEOUT_SECONDS = 600.0  # a replica silent for this long in a step is taken for dead
-READY_TIMEOUT_SECONDS = 600.0  # to load the model (and compile, with the inductor backend)
+STEP_TIMEOUT_SECONDS = 600.0  # a replica silent for this long after being sent its step is taken for dead
 
 
-def replica_cpus(replica: int, num_replicas: int) -> set[int] | None:
-    """Replica `replica`'s slice of this process's CPUs (None where the platform has no affinity): an equal share
-    each, or one CPU shared round-robin when there are fewer CPUs than replicas."""
-    if not hasattr(os, "sched_getaffinity"):
-        return None
-    cpus = sorted(os.sched_getaffinity(0))
-    share = len(cpus) // num_replicas
-    if share == 0:
-        return {cpus[replica % len(cpus)]}
-    return set(cpus[replica * share : (replica + 1) * share])
-
-
-def run_replica(replica: int, vllm_config: VllmConfig, conn: Connection, cpus: set[int] | None, threads: int) -> None:
-    """A worker process: pin, load the model, say ready, then serve steps until `None` (or the pipe closes)."""
-    if cpus is not None:
-        os.sched_setaffinity(0, cpus)
-    torch.set_num_threads(threads)
+def run_replica(channel: WorkerChannel, replica: int, vllm_config: VllmConfig) -> None:
+    """A replica's body: load the model (on GPUs onto cuda:replica), say ready, then serve steps until `None`."""
     device = vllm_config.device_config.device
     if device.type == "cuda":
         device = torch.device("cuda", replica)
         torch.cuda.set_device(device)
-    try:
-        model = load_model(vllm_config.model_config.model, device=device, dtype=vllm_config.model_config.dtype)
-        runner = ModelRunner.from_config(model, vllm_config)
-        conn.send(("ready", None))
-        replica_busy_loop(runner, conn)
-    except EOFError:
-        pass  # the engine is gone: nothing to report to
-    except Exception:
-        conn.send(("error", traceback.format_exc()))
+    model = load_model(vllm_config.model_config.model, device=device, dtype=vllm_config.model_config.dtype)
+    channel.send("ready")
+    replica_busy_loop(ModelRunner.from_config(model, vllm_config), channel)
 
 
-def replica_busy_loop(runner: ModelRunner, conn: Connection) -> None:
-    """Each step: a part of the batch and its sampled sequences' generator states; the forward pass; then the rows
-    of the grammar masks (or None); sample; send the tokens and those generators' new states back."""
-    while (message := conn.recv()) is not None:
-        part, states = message
+def replica_busy_loop(runner: ModelRunner, channel: WorkerChannel) -> None:
+    """Each step: its part of the batch (with its drawing sequences' generator states); the forward pass; then its
+    rows of the grammar masks (or None); sample; send the tokens and those generators' new states back."""
+    while (part := channel.recv_step()) is not None:
         runner.execute_model(part)
-        mask = conn.recv()
-        seqs = [seq for seq in sampling_rows(part)[1] if seq.seq_id in states]  # the ones that draw
-        for seq in seqs:
-            seq.generator = torch.Generator().set_state(states[seq.seq_id])
-        grammar = None
-        if mask is not None:
-            future: Future = Future()
-            future.set_result(mask)
-            grammar = GrammarOutput(future)
-        output = runner.sample_tokens(grammar)
-        conn.send(("output", (output, {seq.seq_id: seq.generator.get_state() for seq in seqs})))
+        output = runner.sample_tokens(GrammarOutput.of(channel.recv()))
+        drawing = [seq.seq_id for seq in sampling_rows(part)[1] if seq.generator is not None]
+        channel.send("output", (output, channel.requests.generator_states(drawing)))
 
 
 class DataParallelExecutor(Executor):
-    """`data_parallel_size` replicas in worker processes; `execute_model` and `sample_tokens` over all of them."""
+    """`data_parallel_size` replicas in worker processes; `execute_model` dispatches the replicas scheduled this
+    step, `sample_tokens` returns whichever replicas' steps have come back."""
 
     def __init__(self, vllm_config: VllmConfig) -> None:
         super().__init__(vllm_config)
-        parallel = vllm_config.parallel_config
-        num_replicas, start_method = parallel.data_parallel_size, parallel.worker_multiproc_method
-        context = multiprocessing.get_context(start_method)
-        self.workers: list[multiprocessing.process.BaseProcess] = []
-        self.conns: list[Connection] = []
-        for replica in range(num_replicas):
-            cpus = replica_cpus(replica, num_replicas)
-            threads = vllm_config.device_config.cpu_threads or (len(cpus) if cpus else 1)
-            if start_method == "fork":
-                threads = 1  # GNU OpenMP's pool does not survive a fork (see multiproc_executor.py)
-            conn, child_conn = context.Pipe()
-            worker = context.Process(
-                target=run_replica, args=(replica, vllm_config, child_conn, cpus, threads),
-                name=f"dp-replica-{replica}", daemon=True,
-            )
-            worker.start()
-            child_conn.close()  # the worker holds the only other end: its death closes the pipe
-            self.workers.append(worker)
-            self.conns.append(conn)
-        self.alive = [True] * num_replicas
+        num_replicas = vllm_config.parallel_config.data_parallel_size
+        self.workers = dict(enumerate(start_workers(
+            vllm_config, run_replica, lambda replica: (replica, vllm_config), num_replicas, "dp-replica"
+        )))
+        self._finalizer = weakref.finalize(self, shutdown_workers, list(self.workers.values()))
+        self.in_flight: dict[int, tuple[SchedulerOutput, float]] = {}  # replica -> (its step, its deadline)
+        self._dispatched: DataParallelSchedulerOutput | None = None  # this engine step's, until its masks are sent
         self._newly_dead: list[int] = []
-        self._step: DataParallelSchedulerOutput | None = None
-        self._finalizer = weakref.finalize(self, _shut_down, self.workers, self.conns)
         try:
-            replies = self._gather(range(num_replicas), READY_TIMEOUT_SECONDS)
+            _, dead = gather(self.workers, READY_TIMEOUT_SECONDS)
         except RuntimeError:
             self._finalizer()
             raise
-        if not_ready := [r for r in range(num_replicas) if r not in replies]:
+        if dead:
             self._finalizer()
-            raise RuntimeError(f"data-parallel replicas {not_ready} died while loading the model")
+            raise RuntimeError(f"data-parallel replicas {dead} died while loading the model")
 
     def execute_model(self, scheduler_output: DataParallelSchedulerOutput) -> None:
-        """Send each live replica its part of the step and the states of its sampled (not greedy) sequences'
-        generators; each starts its forward pass. The logits stay on the replicas (they sample)."""
-        self._step = scheduler_output
+        """Send each replica scheduled this step its part; each starts its forward pass at once. The logits stay on
+        the replicas (they sample)."""
+        self._dispatched = scheduler_output
         for replica, part in scheduler_output.replica_outputs.items():
-            states = {seq.seq_id: seq.generator.get_state() for seq in sampling_rows(part)[1]
-                      if not seq.sampling_params.greedy}
-            self._send(replica, (part, states))
-
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
-        """Each replica's rows of the masks, then its sampled tokens, merged in replica order; a replica that died
-        returns nothing (`take_dead_replicas` names it)."""
-        step, self._step = self._step, None
-        if step is None:
-            raise RuntimeError("sample_tokens() needs an execute_model() first")
-        mask = None if grammar_output is None else grammar_output.bitmask()  # (N, W) over the merged rows
-        start = 0
-        for replica, part in step.replica_outputs.items():
-            num_rows = len(sampling_rows(part)[0])
-            self._send(replica, None if mask is None else mask[start : start + num_rows])
-            start += num_rows
-        replies = self._gather([r for r in step.replica_outputs if self.alive[r]], STEP_TIMEOUT_SECONDS)
-        seqs = {seq.seq_id: seq for seq in sampling_rows(step)[1]}
-        merged = ModelRunnerOutput([], [], [])
-        for replica in step.replica_outputs:
-            if replica not in replies:
+            try:
+                self.workers[replica].send_step(part, generators=True)
+            except RuntimeError:  # its pipe is broken: it died
+                self._mark_dead(replica)
                 continue
-            output, states = replies[replica]
-            merged.seq_ids += output.seq_ids
-            merged.sampled_token_ids += output.sampled_token_ids
-            merged.logprobs += output.logprobs
-            merged.prompt_logprobs.update(output.prompt_logprobs)
-            for stage, seconds in output.seconds.items():  # side by side: the slowest replica's
-                merged.seconds[stage] = max(merged.seconds.get(stage, 0.0), seconds)
-            for seq_id, state in states.items():
-                seqs[seq_id].generator.set_state(state)
+            self.in_flight[replica] = part, time.monotonic() + STEP_TIMEOUT_SECONDS
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> DataParallelModelRunnerOutput:
+        """Send this step's replicas their rows of the masks, then wait for the first replica with a step in flight
+        to answer (at most until the earliest deadline) and return every answer there by then; a replica that died
+        returns nothing (`take_dead_replicas` names it)."""
+        dispatched, self._dispatched = self._dispatched, None
+        if dispatched is None:
+            raise RuntimeError("sample_tokens() needs an execute_model() first")
+        mask = None if grammar_output is None else grammar_output.bitmask()  # (N, W) over the step's merged rows
+        start = 0
+        for replica, part in dispatched.replica_outputs.items():
+            num_rows = len(sampling_rows(part)[0])
+            if replica in self.in_flight:
+                try:
+                    self.workers[replica].send(None if mask is None else mask[start : start + num_rows])
+                except RuntimeError:
+                    self._mark_dead(replica)
+            start += num_rows
+        merged = DataParallelModelRunnerOutput()
+        while self.in_flight and not merged.replica_outputs and not self._newly_dead:
+            busy = {replica: self.workers[replica] for replica in self.in_flight}
+            replies, dead = poll(busy, {replica: deadline for replica, (_, deadline) in self.in_flight.items()})
+            for replica in dead:
+                self._mark_dead(replica)
+            for replica, (output, states) in replies.items():
+                part, _ = self.in_flight.pop(replica)
+                seqs = {seq.seq_id: seq for seq in sampling_rows(part)[1]}
+                for seq_id, state in states.items():
+                    seqs[seq_id].generator.set_state(state)
+                merged.replica_outputs[replica] = output
         return merged
 
     def take_dead_replicas(self) -> list[int]:
@@ -181,57 +143,8 @@ class DataParallelExecutor(Executor):
     def shutdown(self) -> None:
         self._finalizer()
 
-    def _send(self, replica: int, message: object) -> None:
-        if not self.alive[replica]:
-            return
-        try:
-            self.conns[replica].send(message)
-        except OSError:  # a broken pipe: it died
-            self._mark_dead(replica)
-
-    def _gather(self, replicas: list[int] | range, timeout: float) -> dict[int, object]:
-        """One reply from each of `replicas`, waiting at most `timeout` seconds in all: replica -> its payload. A
-        replica whose pipe closes, or that has not answered in time (then killed), is marked dead and left out; one
-        that reports an error raises it."""
-        pending = {self.conns[r]: r for r in replicas}
-        replies: dict[int, object] = {}
-        deadline = time.monotonic() + timeout
-        while pending:
-            ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                for replica in pending.values():
-                    self.workers[replica].kill()
-                    self._mark_dead(replica)
-                break
-            for conn in ready:
-                replica = pending.pop(conn)
-                try:
-                    kind, payload = conn.recv()
-                except (EOFError, OSError):
-                    self._mark_dead(replica)
-                    continue
-                if kind == "error":
-                    raise RuntimeError(f"data-parallel replica {replica} failed:\n{payload}")
-                replies[replica] = payload
-        return replies
-
     def _mark_dead(self, replica: int) -> None:
-        if self.alive[replica]:
-            self.alive[replica] = False
+        self.in_flight.pop(replica, None)
+        if replica in self.workers:
+            del self.workers[replica]
             self._newly_dead.append(replica)
-
-
-def _shut_down(workers: list[multiprocessing.process.BaseProcess], conns: list[Connection]) -> None:
-    """Tell each worker to stop (a `None` step), wait a little, kill what is left."""
-    for conn in conns:
-        try:
-            conn.send(None)
-        except OSError:
-            pass  # already gone
-    for worker in workers:
-        worker.join(timeout=10)
-        if worker.is_alive():
-            worker.kill()
-            worker.join(timeout=10)
-    for conn in conns:
-        conn.close()

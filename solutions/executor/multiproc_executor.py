@@ -4,13 +4,15 @@
 
 The engine core (scheduler, KV cache manager) lives only on rank 0 and knows nothing of ranks: block ids are
 the same on every rank, because every rank's KV cache has the same blocks, each holding that rank's heads. Each
-step, `execute_model` broadcasts the step's `SchedulerOutput` to the workers, and every rank runs the same
-forward pass on its slice of the weights (`solutions/distributed/layers.py`); the collectives inside the model
-keep them in step, and the logits come out whole on every rank. Rank 0's runner samples (`sample_tokens`); the
-others wait for the next broadcast. A broadcast of `None` stops them. Rank 0's side of a step is
-`execute_model_in_lockstep`, a worker's is `worker_busy_loop` (chapter 9's exercises).
+step, `execute_model` sends the step to every worker through its pipe (`WorkerProc.send_step`: as changes to the
+sequences the worker already holds, so a decode step costs its new tokens, not every context), and every rank runs
+the same forward pass on its slice of the weights (`solutions/distributed/layers.py`); the collectives inside the
+model keep them in step, and the logits come out whole on every rank. Rank 0's runner samples (`sample_tokens`);
+the others wait for the next step. A `None` stops them. Rank 0's side of a step is `execute_model_in_lockstep`, a
+worker's is `worker_busy_loop` (chapter 9's exercises). Starting, pinning, sizing and stopping the workers is
+`worker_proc.py`'s, shared with data parallelism.
 
-With speculative decoding the step's drafts travel in the same broadcast (`scheduled_spec_decode_tokens`): they
+With speculative decoding the step's drafts travel in the same message (`scheduled_spec_decode_tokens`): they
 are the input ids after each drafted sequence's newest token, and they say which k + 1 rows of logits to compute,
 so every rank runs the same rows and the all-gathers of the logits line up. Only rank 0 verifies them and
 proposes the next ones (the workers' runners have no proposer), so a proposer must not call a collective.
@@ -18,55 +20,50 @@ proposes the next ones (the workers' runners have no proposer), so a proposer mu
 The workers are started with "spawn" by default (a fresh interpreter, as the engine core's process in chapter 7):
 each loads the checkpoint itself, then keeps its slice, and runs the code `solutions/` holds on disk. With "fork"
 a worker is a copy of this process: it slices the model already in memory, and runs the code this process runs,
-including any a test or a notebook swapped in (chapter 9's capstone). A forked worker runs torch on 1 thread:
-GNU OpenMP's thread pool does not survive a fork, and a forked child that starts a team of 2 threads after its
-parent used one hangs (measured here). Otherwise the ranks share the cores: each runs torch with
-`cpu_count // tensor_parallel_size` threads. On GPUs each rank has its own (rank r on cuda:r), NCCL carries the
-collectives, workers must be spawned (CUDA does not survive a fork), and steps run eagerly. A worker that dies
-is refused before the next step is sent; one that dies during a step shows up at the step's next collective: gloo
-raises when its peer's connection closes, or after the group's timeout (`COLLECTIVE_TIMEOUT_SECONDS`), and
-`execute_model` reports which rank is gone. (With NCCL a collective call returns once it is queued on the GPU; a
-missing peer shows up when the result is waited for, or at NCCL's own watchdog timeout.)
+including any a test or a notebook swapped in (chapter 9's capstone). On GPUs each rank has its own (rank r on
+cuda:r), NCCL carries the collectives, workers must be spawned (CUDA does not survive a fork), and steps run
+eagerly. A worker that dies is refused before the next step is sent; one that dies during a step shows up at the
+step's next collective: gloo raises when its peer's connection closes, or after the group's timeout
+(`COLLECTIVE_TIMEOUT_SECONDS`), and `execute_model` reports which rank is gone. (With NCCL a collective call returns
+once it is queued on the GPU; a missing peer shows up when the result is waited for, or at NCCL's own watchdog
+timeout.)
 
 Where this lives in vLLM: `vllm/v1/executor/multiproc_executor.py` (`MultiprocExecutor`, `WorkerProc`), which
-sends the `SchedulerOutput` through a shared-memory message queue rather than a gloo broadcast, and where every
-worker runs the sampler on the all-gathered logits (the driver's result is returned); the start method is its
-`VLLM_WORKER_MULTIPROC_METHOD`, whose default is "fork" (ours is "spawn").
+sends the `SchedulerOutput` through a shared-memory message queue, and where every worker runs the sampler on the
+all-gathered logits (the driver's result is returned); the start method is its `VLLM_WORKER_MULTIPROC_METHOD`,
+whose default is "fork" (ours is "spawn").
 """
 
-import multiprocessing
-import os
 import weakref
 
 import torch
-import torch.distributed as dist
 
 from solutions.config import VllmConfig
 from solutions.core.sched.output import SchedulerOutput
 from solutions.distributed import parallel_state
 from solutions.distributed.layers import shard_model
-from solutions.distributed.parallel_state import (
-    broadcast_object,
-    destroy_tensor_parallel,
-    free_port,
-    init_tensor_parallel,
-)
+from solutions.distributed.parallel_state import destroy_tensor_parallel, free_port, init_tensor_parallel
 from solutions.executor.abstract import Executor, eager_on_gpu
+from solutions.executor.worker_proc import (
+    READY_TIMEOUT_SECONDS,
+    WorkerChannel,
+    WorkerProc,
+    gather,
+    shutdown_workers,
+    start_workers,
+    worker_cpus,
+    worker_threads,
+)
 from solutions.model.llama import LlamaForCausalLM
 from solutions.model.loader import load_model
 from solutions.worker.model_runner import ModelRunner
 
 
-def _threads_per_rank(tp_size: int) -> int:
-    return max(1, (os.cpu_count() or 1) // tp_size)
-
-
-def run_worker(
-    rank: int, vllm_config: VllmConfig, init_method: str, full_model: LlamaForCausalLM | None, threads: int
+def run_rank(
+    channel: WorkerChannel, rank: int, vllm_config: VllmConfig, init_method: str, full_model: LlamaForCausalLM | None
 ) -> None:
-    """A worker process: join the group, slice the model (loading it first when spawned; on GPUs onto this
-    rank's own, cuda:rank), then run every broadcast step until `None`."""
-    torch.set_num_threads(threads)
+    """A worker's body: join the group, slice the model (loading it first when spawned; on GPUs onto this rank's
+    own, cuda:rank), say ready, then run every step rank 0 sends until `None`."""
     tp_size = vllm_config.parallel_config.tensor_parallel_size
     device = vllm_config.device_config.device
     if device.type == "cuda":
@@ -79,35 +76,37 @@ def run_worker(
         runner = ModelRunner.from_config(  # no proposer: rank 0 drafts
             shard_model(full_model, rank, tp_size), vllm_config, speculative_config=None, **eager_on_gpu(device)
         )
-        worker_busy_loop(runner)
+        channel.send("ready")
+        worker_busy_loop(runner, channel)
     finally:
         destroy_tensor_parallel()
 
 
-def worker_busy_loop(runner: ModelRunner) -> None:
-    """A worker's life after start-up: receive each step rank 0 broadcasts and run its forward pass on this rank's
-    slice (its collectives meet rank 0's); return at the broadcast of `None`. A step that raises is not caught: the
-    worker ends, its connections close, and rank 0's next collective fails instead of waiting for it."""
-    while (scheduler_output := broadcast_object()) is not None:
+def worker_busy_loop(runner: ModelRunner, channel: WorkerChannel) -> None:
+    """A worker's life after start-up: receive each step rank 0 sends and run its forward pass on this rank's slice
+    (its collectives meet rank 0's); return at `None`. A step that raises is not caught: the worker ends, its
+    connections close, and rank 0's next collective fails instead of waiting for it."""
+    while (scheduler_output := channel.recv_step()) is not None:
         runner.execute_model(scheduler_output)  # the logits are rank 0's to sample; this rank's copy is dropped
 
 
 def execute_model_in_lockstep(
-    model_runner: ModelRunner, workers: list[multiprocessing.process.BaseProcess], scheduler_output: SchedulerOutput
+    model_runner: ModelRunner, workers: list[WorkerProc], scheduler_output: SchedulerOutput
 ) -> torch.Tensor:
-    """Rank 0's side of one step: refuse at once if a worker has died (a broadcast to it could wait for ever), send
-    the step to every worker, then run rank 0's own forward pass, whose collectives the workers join; the logits
-    (B, V). A collective that fails (a peer closed its connection or timed out) is re-raised naming the dead
-    workers, so the engine core reports it rather than waiting."""
+    """Rank 0's side of one step: refuse at once if a worker has died, send the step to every worker, then run
+    rank 0's own forward pass, whose collectives the workers join; the logits (B, V). A collective that fails (a
+    peer closed its connection or timed out) is re-raised naming the dead workers, so the engine core reports it
+    rather than waiting."""
     dead = [worker.name for worker in workers if not worker.is_alive()]
     if dead:
         raise RuntimeError(f"tensor-parallel workers {dead} have died; this engine cannot run another step")
     try:
-        broadcast_object(scheduler_output)
+        for worker in workers:
+            worker.send_step(scheduler_output)
         return model_runner.execute_model(scheduler_output)
     except RuntimeError as error:  # a peer closed its connection (it died), or a collective timed out
         for worker in workers:
-            worker.join(timeout=1)  # a worker whose step failed may still be exiting when its connection closes
+            worker.process.join(timeout=1)  # a worker whose step failed may still be exiting when its pipe closes
         dead = [worker.name for worker in workers if not worker.is_alive()]
         raise RuntimeError(
             f"a tensor-parallel step failed (dead workers: {dead or 'none'}; with none dead, a rank is stuck or the "
@@ -128,20 +127,18 @@ class MultiprocExecutor(Executor):
         parallel = vllm_config.parallel_config
         tp_size, start_method = parallel.tensor_parallel_size, parallel.worker_multiproc_method
         init_method = f"tcp://127.0.0.1:{free_port()}"
-        context = multiprocessing.get_context(start_method)
         full_model = self.load_model()
         device = vllm_config.device_config.device
         # Spawned workers load the checkpoint themselves; forked ones are copies of this process, model included.
-        source, worker_threads = (None, _threads_per_rank(tp_size)) if start_method == "spawn" else (full_model, 1)
-        self.workers = [
-            context.Process(target=run_worker, args=(rank, vllm_config, init_method, source, worker_threads),
-                            name=f"tp-worker-{rank}", daemon=True)
-            for rank in range(1, tp_size)
-        ]
-        for worker in self.workers:
-            worker.start()
+        source = None if start_method == "spawn" else full_model
+        self.workers = start_workers(
+            vllm_config, run_rank, lambda rank: (rank, vllm_config, init_method, source), tp_size, "tp-worker", first=1
+        )
         threads = torch.get_num_threads()
-        torch.set_num_threads(_threads_per_rank(tp_size))  # given back at shutdown
+        rank_zero_threads = worker_threads(
+            worker_cpus(0, tp_size), tp_size, vllm_config.device_config.cpu_threads, "spawn"
+        )  # rank 0 is this process, never a fork
+        torch.set_num_threads(rank_zero_threads)  # given back at shutdown
         self._finalizer = weakref.finalize(self, _shut_down, self.workers, threads)
         try:
             init_tensor_parallel(  # returns once every worker has joined
@@ -150,6 +147,9 @@ class MultiprocExecutor(Executor):
             self.model_runner = ModelRunner.from_config(
                 shard_model(full_model, 0, tp_size), vllm_config, **eager_on_gpu(device)
             )
+            _, dead = gather(dict(enumerate(self.workers, start=1)), READY_TIMEOUT_SECONDS)
+            if dead:
+                raise RuntimeError(f"tensor-parallel ranks {dead} died while loading the model")
         except BaseException:
             self._finalizer()  # no worker, group or thread setting outlives a failed start
             raise
@@ -161,17 +161,8 @@ class MultiprocExecutor(Executor):
         self._finalizer()
 
 
-def _shut_down(workers: list[multiprocessing.Process], threads: int) -> None:
-    """Stop the workers (a `None` step), leave the group, and give this process its torch threads back; a worker
-    that does not stop is killed."""
-    if dist.is_initialized() and all(worker.is_alive() for worker in workers):
-        try:
-            broadcast_object(None)
-        except RuntimeError:
-            pass  # a worker is already gone: nothing to tell
-    for worker in workers:
-        worker.join(timeout=10)
-        if worker.is_alive():
-            worker.kill()
+def _shut_down(workers: list[WorkerProc], threads: int) -> None:
+    """Stop the workers, leave the group, and give this process its torch threads back."""
+    shutdown_workers(workers)
     destroy_tensor_parallel()
     torch.set_num_threads(threads)

@@ -3,8 +3,6 @@
 Class exercises are mutated by subclassing the reference and overriding the method that goes wrong.
 """
 
-import multiprocessing
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -12,7 +10,8 @@ import torch.nn.functional as F
 from solutions.core.sched.output import SchedulerOutput
 from solutions.distributed import layers
 from solutions.distributed.layers import Partition, split_evenly
-from solutions.distributed.parallel_state import all_reduce, broadcast_object, tp_size
+from solutions.distributed.parallel_state import all_reduce, tp_size
+from solutions.executor.worker_proc import WorkerChannel, WorkerProc
 from solutions.model.config import ModelConfig
 from solutions.worker.model_runner import ModelRunner
 
@@ -175,36 +174,46 @@ class VocabParallelEmbeddingFloatMask(layers.VocabParallelEmbedding):
 # --- execute_model_in_lockstep (rank 0's side of a step) ------------------------------------------------------------
 
 
-def lockstep_rank_zero_only(model_runner: ModelRunner, workers: list[multiprocessing.process.BaseProcess],
+def lockstep_rank_zero_only(model_runner: ModelRunner, workers: list[WorkerProc],
                             scheduler_output: SchedulerOutput) -> torch.Tensor:
-    """Runs rank 0's forward pass and sends nothing: the workers wait for a broadcast while rank 0 waits for them in
-    the embedding's all-reduce, until the group's timeout."""
+    """Runs rank 0's forward pass and sends nothing: the workers wait for a step while rank 0 waits for them in the
+    embedding's all-reduce, until the group's timeout."""
     return model_runner.execute_model(scheduler_output)
 
 
-def lockstep_forward_then_broadcast(model_runner: ModelRunner, workers: list[multiprocessing.process.BaseProcess],
-                                    scheduler_output: SchedulerOutput) -> torch.Tensor:
-    """Runs rank 0's forward pass first and broadcasts the step after it: rank 0's first all-reduce meets workers
-    still waiting for the step, and neither side ever gets what it waits for."""
+def lockstep_forward_then_send(model_runner: ModelRunner, workers: list[WorkerProc],
+                               scheduler_output: SchedulerOutput) -> torch.Tensor:
+    """Runs rank 0's forward pass first and sends the step after it: rank 0's first all-reduce meets workers still
+    waiting for the step, and neither side ever gets what it waits for."""
     logits = model_runner.execute_model(scheduler_output)
-    broadcast_object(scheduler_output)
+    for worker in workers:
+        worker.send_step(scheduler_output)
     return logits
 
 
-def lockstep_without_naming_the_dead(model_runner: ModelRunner, workers: list[multiprocessing.process.BaseProcess],
-                                     scheduler_output: SchedulerOutput) -> torch.Tensor:
-    """Broadcasts and runs, and lets gloo's error through as it is: the caller reads "Connection closed by peer"
-    and cannot tell that a worker died, nor which."""
-    broadcast_object(scheduler_output)
+def lockstep_sends_to_the_first_worker(model_runner: ModelRunner, workers: list[WorkerProc],
+                                       scheduler_output: SchedulerOutput) -> torch.Tensor:
+    """Sends the step to rank 1 only, as if there were two ranks: over four, ranks 2 and 3 never join the step."""
+    workers[0].send_step(scheduler_output)
     return model_runner.execute_model(scheduler_output)
 
 
-def lockstep_swallows_a_failed_step(model_runner: ModelRunner, workers: list[multiprocessing.process.BaseProcess],
+def lockstep_without_naming_the_dead(model_runner: ModelRunner, workers: list[WorkerProc],
+                                     scheduler_output: SchedulerOutput) -> torch.Tensor:
+    """Sends and runs, and lets gloo's error through as it is: the caller reads "Connection closed by peer" and
+    cannot tell that a worker died, nor which."""
+    for worker in workers:
+        worker.send_step(scheduler_output)
+    return model_runner.execute_model(scheduler_output)
+
+
+def lockstep_swallows_a_failed_step(model_runner: ModelRunner, workers: list[WorkerProc],
                                     scheduler_output: SchedulerOutput) -> torch.Tensor:
     """Catches the failed collective to keep the engine going, and returns no logits: the caller hears nothing of
     the dead worker, and the next thing to break is the sampler, far from the cause."""
     try:
-        broadcast_object(scheduler_output)
+        for worker in workers:
+            worker.send_step(scheduler_output)
         return model_runner.execute_model(scheduler_output)
     except RuntimeError:
         return torch.empty(0, model_runner.model.config.vocab_size)
@@ -213,33 +222,33 @@ def lockstep_swallows_a_failed_step(model_runner: ModelRunner, workers: list[mul
 # --- worker_busy_loop (ranks 1..N-1) -------------------------------------------------------------------------------
 
 
-def worker_receives_but_never_runs(runner: ModelRunner) -> None:
+def worker_receives_but_never_runs(runner: ModelRunner, channel: WorkerChannel) -> None:
     """Receives every step and stops at None, but runs nothing, leaving rank 0 alone in the step's all-reduces (the
     worker thinks only rank 0 computes)."""
-    while broadcast_object() is not None:
+    while channel.recv_step() is not None:
         pass
 
 
-def worker_runs_one_step(runner: ModelRunner) -> None:
-    """Runs the first step it receives and returns: no loop, so the second broadcast finds the worker gone."""
-    scheduler_output = broadcast_object()
+def worker_runs_one_step(runner: ModelRunner, channel: WorkerChannel) -> None:
+    """Runs the first step it receives and returns: no loop, so the second step finds the worker gone."""
+    scheduler_output = channel.recv_step()
     if scheduler_output is not None:
         runner.execute_model(scheduler_output)
 
 
-def worker_never_stops(runner: ModelRunner) -> None:
+def worker_never_stops(runner: ModelRunner, channel: WorkerChannel) -> None:
     """Skips a `None` step as if it were empty, instead of returning: at shutdown the worker waits for a step that
-    never comes, until its broadcast fails or it is killed."""
+    never comes, until it is killed."""
     while True:
-        scheduler_output = broadcast_object()
+        scheduler_output = channel.recv_step()
         if scheduler_output is not None:
             runner.execute_model(scheduler_output)
 
 
-def worker_swallows_step_errors(runner: ModelRunner) -> None:
-    """Catches a step that raises and goes back to wait for the next broadcast, to keep the worker alive: rank 0,
-    inside that step's all-reduce, waits for it for ever (until the group's timeout). A HANG mutant."""
-    while (scheduler_output := broadcast_object()) is not None:
+def worker_swallows_step_errors(runner: ModelRunner, channel: WorkerChannel) -> None:
+    """Catches a step that raises and goes back to wait for the next step, to keep the worker alive: rank 0, inside
+    that step's all-reduce, waits for it for ever (until the group's timeout). A HANG mutant."""
+    while (scheduler_output := channel.recv_step()) is not None:
         try:
             runner.execute_model(scheduler_output)
         except Exception:  # noqa: BLE001 — the mistake
@@ -265,7 +274,8 @@ MUTANTS = {
     "vocab_parallel_embedding_end_inclusive": {"VocabParallelEmbedding": VocabParallelEmbeddingEndInclusive},
     "vocab_parallel_embedding_float_mask": {"VocabParallelEmbedding": VocabParallelEmbeddingFloatMask},
     "lockstep_rank_zero_only": {"execute_model_in_lockstep": lockstep_rank_zero_only},
-    "lockstep_forward_then_broadcast": {"execute_model_in_lockstep": lockstep_forward_then_broadcast},
+    "lockstep_forward_then_send": {"execute_model_in_lockstep": lockstep_forward_then_send},
+    "lockstep_sends_to_the_first_worker": {"execute_model_in_lockstep": lockstep_sends_to_the_first_worker},
     "lockstep_without_naming_the_dead": {"execute_model_in_lockstep": lockstep_without_naming_the_dead},
     "lockstep_swallows_a_failed_step": {"execute_model_in_lockstep": lockstep_swallows_a_failed_step},
     "worker_receives_but_never_runs": {"worker_busy_loop": worker_receives_but_never_runs},

@@ -11,8 +11,10 @@ because only it sees every pool:
   placement policy (`placement.py`) picks one and the sequence joins that replica's queue, for life;
 - a dead replica (`drop_replica`): its pool is marked gone and every sequence it had — running, waiting, swapped —
   comes back here, at the front, to be recomputed elsewhere from its tokens (as preemption by recompute does);
-- one answer per step: the replicas' outputs merged in replica order (`DataParallelSchedulerOutput`), the stats
-  summed.
+- replicas that step on their own: a replica is scheduled again as soon as its last step's tokens are back
+  (`in_flight` holds the steps still running), so one replica's long prefill never holds up another's decodes;
+  each engine step merges the steps it starts (`DataParallelSchedulerOutput`) and takes back whichever came back
+  (`DataParallelModelRunnerOutput`), the stats summed.
 
 Where this lives in vLLM: `vllm/v1/engine/core_client.py` (`DPLBAsyncMPClient`: N engine cores, each with its own
 `Scheduler`, and the front end picks one per request at arrival, by queue length); SGLang's router does the same in
@@ -43,25 +45,38 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class DataParallelSchedulerOutput(SchedulerOutput):
-    """The step over every replica: each replica's own output in `replica_outputs` (what its worker runs), and their
-    sequences, tokens and ids concatenated in replica order, so the step reads as one batch (sampling rows, grammar
-    masks, the runner's outputs all in that order). Block ids mean nothing outside their pool, so the block copies
-    stay in the replicas' outputs."""
+    """The step of the replicas scheduled now: each replica's own output in `replica_outputs` (what its worker runs),
+    and their sequences, tokens and ids concatenated in replica order, so the step reads as one batch (sampling rows
+    and grammar masks in that order). Block ids mean nothing outside their pool, so the fields of block copies
+    (`PER_POOL`) stay in the replicas' outputs."""
 
     replica_outputs: dict[int, SchedulerOutput] = field(default_factory=dict)
 
     @classmethod
     def merge(cls, replica_outputs: dict[int, SchedulerOutput]) -> Self:
+        """Every field of `SchedulerOutput` but the per-pool ones, joined over the replicas: lists concatenated,
+        maps united, counts summed."""
         out = cls(num_computed_tokens=[], replica_outputs=replica_outputs)
         for part in replica_outputs.values():
-            for name in ("scheduled_seqs", "num_scheduled_tokens", "num_computed_tokens", "new_seq_ids",
-                         "resumed_seq_ids", "preempted_seq_ids", "swapped_out_seq_ids", "swapped_in_seq_ids"):
-                getattr(out, name).extend(getattr(part, name))
-            for name in ("num_cached_tokens", "forked_seqs", "scheduled_spec_decode_tokens"):
-                getattr(out, name).update(getattr(part, name))
-            out.num_prefill_tokens += part.num_prefill_tokens
-            out.num_decode_tokens += part.num_decode_tokens
+            for f in fields(SchedulerOutput):
+                if f.metadata.get("per_pool"):
+                    continue
+                mine, theirs = getattr(out, f.name), getattr(part, f.name)
+                if isinstance(mine, list):
+                    mine.extend(theirs)
+                elif isinstance(mine, dict):
+                    mine.update(theirs)
+                else:
+                    setattr(out, f.name, mine + theirs)
         return out
+
+
+@dataclass(slots=True)
+class DataParallelModelRunnerOutput:
+    """The replicas' steps that came back in one engine step: replica -> its runner's output (replicas not here are
+    still running theirs, or died)."""
+
+    replica_outputs: dict[int, ModelRunnerOutput] = field(default_factory=dict)
 
 
 class DataParallelScheduler:
@@ -80,6 +95,7 @@ class DataParallelScheduler:
         self.requests: dict[str, list[Sequence]] = {}
         for replica in replicas:
             replica.requests = self.requests
+        self.in_flight: dict[int, SchedulerOutput] = {}  # replica -> its step whose tokens are not back yet
         self.num_requeued = 0  # sequences sent back here by a dead replica, over the scheduler's life
 
     @classmethod
@@ -122,9 +138,15 @@ class DataParallelScheduler:
     # --- a step ----------------------------------------------------------------------------------------------------
 
     def schedule(self) -> DataParallelSchedulerOutput:
-        """Place what can be placed, then one step of every live replica, merged."""
+        """Place what can be placed, then one step of every live replica that has work and no step in flight (the
+        others are still running theirs: replicas do not wait for each other), merged."""
         self.place_waiting()
-        return DataParallelSchedulerOutput.merge({r: self.replicas[r].schedule() for r in self.live_replicas})
+        parts = {
+            r: self.replicas[r].schedule() for r in self.live_replicas
+            if r not in self.in_flight and self.replicas[r].has_work()
+        }
+        self.in_flight.update(parts)
+        return DataParallelSchedulerOutput.merge(parts)
 
     def place_waiting(self) -> None:
         """Hand sequences from the front of `waiting` to replicas, in queue order, while one can take the next."""
@@ -153,7 +175,7 @@ class DataParallelScheduler:
         of every sequence queued there and of `seq` (past what its pool holds of it). An idle replica takes anything:
         its scheduler chunks the prompt or waits for nothing."""
         replica = self.replicas[state.replica]
-        if not replica.running and not replica.waiting and not replica.swapped:
+        if not replica.has_work():
             return True
         if state.num_running + state.num_waiting + 1 + len(seq.fork_seq_ids) > replica.max_num_seqs:
             return False
@@ -168,27 +190,18 @@ class DataParallelScheduler:
         return self.replicas[0].get_grammar_bitmask(scheduler_output)
 
     def update_from_output(
-        self, scheduler_output: DataParallelSchedulerOutput, model_output: ModelRunnerOutput,
+        self, scheduler_output: DataParallelSchedulerOutput, model_output: DataParallelModelRunnerOutput,
         schedule_seconds: float = 0.0,
     ) -> EngineCoreOutputs:
-        """Each live replica takes back its own sequences' tokens (a replica that died this step returned none, and
-        its sequences are requeued by `drop_replica`); the outputs in replica order, the stats summed."""
-        replica_of = {seq.seq_id: seq.replica for seq in scheduler_output.scheduled_seqs}
-        replica_of.update(
-            (child.seq_id, child.replica) for children in scheduler_output.forked_seqs.values() for child in children
-        )
-        outputs, stats = [], []
-        for r, part in scheduler_output.replica_outputs.items():
-            rows = [b for b, seq_id in enumerate(model_output.seq_ids) if replica_of[seq_id] == r]
-            part_output = ModelRunnerOutput(
-                [model_output.seq_ids[b] for b in rows], [model_output.sampled_token_ids[b] for b in rows],
-                [model_output.logprobs[b] for b in rows], dict(model_output.seconds),
-                {seq_id: chunk for seq_id, chunk in model_output.prompt_logprobs.items() if replica_of[seq_id] == r},
-            )
-            result = self.replicas[r].update_from_output(part, part_output, schedule_seconds)
+        """Each replica whose step came back takes its tokens (against that step, scheduled this engine step or an
+        earlier one); the outputs in replica order, the stats summed with the others' state now."""
+        outputs, stats = [], {}
+        for r, part_output in sorted(model_output.replica_outputs.items()):
+            result = self.replicas[r].update_from_output(self.in_flight.pop(r), part_output, schedule_seconds)
             outputs += result.outputs
-            stats.append(result.scheduler_stats)
-        return EngineCoreOutputs(outputs, self._merge_stats(stats))
+            stats[r] = result.scheduler_stats
+        others = [self.replicas[r].make_stats() for r in self.live_replicas if r not in stats]
+        return EngineCoreOutputs(outputs, self._merge_stats([*stats.values(), *others]))
 
     def make_stats(self) -> SchedulerStats:
         """The state between steps, every live replica's summed."""
@@ -213,7 +226,9 @@ class DataParallelScheduler:
     # --- faults ----------------------------------------------------------------------------------------------------
 
     def drop_replica(self, replica: int) -> None:
-        """`drop_replica(self, replica)`, looked up in this module when called (chapter 12's decision)."""
+        """`drop_replica(self, replica)`, looked up in this module when called (chapter 12's decision), once the
+        dead replica's step in flight is forgotten."""
+        self.in_flight.pop(replica, None)
         drop_replica(self, replica)
 
 

@@ -9,8 +9,8 @@ The scheduler's answer to the front end, `EngineCoreOutputs`, is a message of th
 (`solutions/engine/__init__.py`).
 
 Where this lives in vLLM: `vllm/v1/core/sched/output.py` (`SchedulerOutput`, `GrammarOutput`) and
-`vllm/v1/outputs.py` (`ModelRunnerOutput`). vLLM sends ids and deltas to a worker process; ours shares memory with
-the engine, so it carries the sequences themselves.
+`vllm/v1/outputs.py` (`ModelRunnerOutput`). In one process it carries the sequences themselves; to a worker process it
+travels as vLLM's does, new requests whole once and then only their changes (`solutions/worker/cached_requests.py`).
 """
 
 from concurrent.futures import Future
@@ -20,6 +20,9 @@ import torch
 
 from solutions.core.sequence import Sequence
 from solutions.outputs import PromptLogprobsChunk
+
+
+PER_POOL = {"per_pool": True}  # a field of block ids: they mean something in their own KV pool only
 
 
 @dataclass(slots=True)
@@ -41,7 +44,7 @@ class SchedulerOutput:
     scheduled_seqs: list[Sequence] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
     num_computed_tokens: list[int] | None = None  # a list once made: left out, read from the sequences
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list, metadata=PER_POOL)
     new_seq_ids: list[int] = field(default_factory=list)  # admitted from the waiting queue for the first time
     resumed_seq_ids: list[int] = field(default_factory=list)  # admitted again after a preemption
     preempted_seq_ids: list[int] = field(default_factory=list)  # sent back to the waiting queue this step
@@ -52,11 +55,12 @@ class SchedulerOutput:
     forked_seqs: dict[int, list[Sequence]] = field(default_factory=dict)  # seq_id -> samples forked from it this step
     scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> drafts to verify
     # chapter 11, block copies between the device pool and host memory, (source, destination), made before the forward
-    # pass in this order: stores, swap-outs, swap-ins, loads, then `blocks_to_copy`
-    blocks_to_store: list[tuple[int, int]] = field(default_factory=list)  # evicted device block -> host tier
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # device block -> swap pool
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # swap pool -> device block
-    blocks_to_load: list[tuple[int, int]] = field(default_factory=list)  # host tier -> device block (a prefix hit)
+    # pass in this order: stores (evicted device block -> host tier), swap-outs (device block -> swap pool), swap-ins
+    # (swap pool -> device block), loads (host tier -> device block: a prefix hit), then `blocks_to_copy`
+    blocks_to_store: list[tuple[int, int]] = field(default_factory=list, metadata=PER_POOL)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list, metadata=PER_POOL)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list, metadata=PER_POOL)
+    blocks_to_load: list[tuple[int, int]] = field(default_factory=list, metadata=PER_POOL)
     swapped_out_seq_ids: list[int] = field(default_factory=list)  # preempted by swapping (also in preempted_seq_ids)
     swapped_in_seq_ids: list[int] = field(default_factory=list)  # back from the swap pool, running again
 
@@ -91,6 +95,15 @@ class GrammarOutput:
     without a grammar), being filled on the structured output manager's thread while the forward pass runs."""
 
     future: "Future[torch.Tensor]"
+
+    @classmethod
+    def of(cls, bitmask: torch.Tensor | None) -> "GrammarOutput | None":
+        """A grammar output already filled with `bitmask` (None for none): what a worker gets its masks as."""
+        if bitmask is None:
+            return None
+        future: Future[torch.Tensor] = Future()
+        future.set_result(bitmask)
+        return cls(future)
 
     def bitmask(self) -> torch.Tensor:
         return self.future.result()

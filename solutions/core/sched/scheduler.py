@@ -162,6 +162,10 @@ class SchedulerBase:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_work(self) -> bool:
+        """Whether a step could schedule anything: a sequence running, waiting or swapped out here."""
+        return bool(self.running or self.waiting or self.swapped)
+
     def add_running(self, seq: Sequence) -> None:
         """Start `seq` running as it is (its blocks and computed tokens already set up): a forked sample, or a
         test's or a chapter's hand-made running sequence."""
@@ -418,6 +422,8 @@ class SchedulerBase:
         outputs = []
         for b, seq_id in enumerate(model_output.seq_ids):
             seq, sampled = seqs[seq_id], model_output.sampled_token_ids[b]
+            if seq.is_finished:  # aborted while its step ran (a data-parallel replica's step outlives engine steps)
+                continue
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(seq_id, [])
             seq.spec_token_ids = []  # verified now; the next ones come from `update_draft_token_ids`
             num_draft_tokens += len(drafts)

@@ -1,0 +1,151 @@
+"""What a worker process is sent each step: its requests whole once, then only what changed.
+
+In one process the model runner reads the step's `Sequence`s themselves. A worker in another process (a
+tensor-parallel rank, a data-parallel replica) cannot share them, and pickling them whole every step costs every
+token id and block id of every running sequence: O(total context) per step, where a decode step changes one token
+and at most one block per sequence. So the engine's end of each worker's pipe keeps what that worker has been sent
+(`StepEncoder`), and the worker keeps a copy of each of its sequences (`CachedRequests`), built from
+`NewRequestData` the first time it is scheduled (or again after a preemption, a swap or a re-placement: its
+table is new) and brought up to date by `CachedRequestData` afterwards: the tokens appended since, and the block
+table from the block holding the step's first new token on (the blocks before it hold computed K/V and do not
+change while the sequence runs: the invariant `BlockTable` relies on too). Sequences the engine no longer runs
+(finished, preempted, swapped out, requeued) are named once in `finished_seq_ids` and forgotten.
+
+The worker rebuilds the step's `SchedulerOutput` over its copies, so its runner runs the same code as in one
+process: one message type, two carriers. Its copies are the same objects from step to step, so the runner's
+persistent block table (`BlockTable`) keeps their rows. The copies advance as the engine's do: the scheduler's
+`advance_computed_tokens`, then the step's forks.
+
+Where this lives in vLLM: `vllm/v1/core/sched/output.py` (`NewRequestData`, `CachedRequestData`,
+`SchedulerOutput.finished_req_ids`: "we cache the request's data in each worker process, so that we don't need
+to re-send it every scheduling step") and `vllm/v1/worker/gpu_model_runner.py` (`_update_states`).
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from solutions.core.sched.output import SchedulerOutput, sampling_rows
+from solutions.core.sched.scheduler import advance_computed_tokens
+from solutions.core.sequence import Sequence, SequenceStatus
+from solutions.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A sequence the worker does not hold: all of it that the runner reads."""
+
+    seq_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_table: list[int]
+    sampling_params: SamplingParams | None
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """A held sequence's changes since the worker last saw it: its new tokens, and its block table from block
+    `first_block` on (`block_ids`; the table is cut there and these appended)."""
+
+    seq_id: int
+    new_token_ids: list[int]
+    first_block: int
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class StepDelta:
+    """One step for one worker: the `SchedulerOutput` without its sequences (`scheduler_output`, whose
+    `scheduled_seqs` and `forked_seqs` are empty), the scheduled sequences in batch order as new or cached data,
+    the step's forks as (parent id, child ids), what to forget, and the generator states of the sampling sequences
+    that draw (only for a worker that samples)."""
+
+    scheduler_output: SchedulerOutput
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    batch_order: list[int] = field(default_factory=list)  # seq_ids, the step's order
+    forks: list[tuple[int, list[int]]] = field(default_factory=list)
+    finished_seq_ids: list[int] = field(default_factory=list)
+    generator_states: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class StepEncoder:
+    """The engine's record of what one worker holds: seq_id -> (the engine's sequence, tokens sent)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.sent: dict[int, tuple[Sequence, int]] = {}
+
+    def encode(self, out: SchedulerOutput, generators: bool = False) -> StepDelta:
+        """The step as `out` describes it, in terms of what the worker already holds; with `generators`, the
+        states of its drawing (not greedy) sampling sequences' generators travel too."""
+        finished = [seq_id for seq_id, (seq, _) in self.sent.items() if seq.status is not SequenceStatus.RUNNING]
+        for seq_id in finished:
+            del self.sent[seq_id]
+        delta = StepDelta(
+            dataclasses.replace(out, scheduled_seqs=[], forked_seqs={}), finished_seq_ids=finished,
+            batch_order=[seq.seq_id for seq in out.scheduled_seqs],
+        )
+        rewrite = {*out.new_seq_ids, *out.resumed_seq_ids, *out.swapped_in_seq_ids}  # their tables are new
+        for seq, start in zip(out.scheduled_seqs, out.num_computed_tokens, strict=True):
+            sent = self.sent.get(seq.seq_id)
+            if sent is None or seq.seq_id in rewrite:
+                delta.new_reqs.append(NewRequestData(
+                    seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, list(seq.block_table), seq.sampling_params
+                ))
+            else:
+                first = start // self.block_size
+                delta.cached_reqs.append(CachedRequestData(
+                    seq.seq_id, seq.token_ids[sent[1] :], first, seq.block_table[first:]
+                ))
+            self.sent[seq.seq_id] = seq, seq.num_tokens
+        for parent_id, children in out.forked_seqs.items():
+            delta.forks.append((parent_id, [child.seq_id for child in children]))
+            self.sent.update((child.seq_id, (child, child.num_tokens)) for child in children)
+        if generators:
+            delta.generator_states = {
+                seq.seq_id: seq.generator.get_state() for seq in sampling_rows(out)[1] if not seq.sampling_params.greedy
+            }
+        return delta
+
+
+class CachedRequests:
+    """The worker's copies of the sequences it runs, seq_id -> `Sequence`, kept from step to step."""
+
+    def __init__(self) -> None:
+        self.seqs: dict[int, Sequence] = {}
+
+    def apply(self, delta: StepDelta) -> SchedulerOutput:
+        """Bring the copies up to date and return the step's `SchedulerOutput` over them."""
+        for seq_id in delta.finished_seq_ids:
+            self.seqs.pop(seq_id, None)
+        for new in delta.new_reqs:
+            seq = Sequence(new.seq_id, new.token_ids[: new.num_prompt_tokens])
+            seq.token_ids, seq.block_table, seq.sampling_params = new.token_ids, new.block_table, new.sampling_params
+            seq.status = SequenceStatus.RUNNING
+            self.seqs[new.seq_id] = seq
+        for cached in delta.cached_reqs:
+            seq = self.seqs[cached.seq_id]
+            seq.token_ids += cached.new_token_ids
+            del seq.block_table[cached.first_block :]  # in place: the runner's block table knows this list
+            seq.block_table += cached.block_ids
+        out = delta.scheduler_output
+        out.scheduled_seqs = [self.seqs[seq_id] for seq_id in delta.batch_order]
+        advance_computed_tokens(out)
+        for parent_id, child_ids in delta.forks:
+            parent = self.seqs[parent_id]
+            children = []
+            for child_id in child_ids:
+                child = parent.fork(child_id)
+                child.block_table = list(parent.block_table)  # shared blocks, as the KV cache manager's fork
+                self.seqs[child_id] = child
+                children.append(child)
+            out.forked_seqs[parent_id] = children
+        for seq_id, state in delta.generator_states.items():
+            self.seqs[seq_id].generator = torch.Generator().set_state(state)
+        return out
+
+    def generator_states(self, seq_ids: list[int]) -> dict[int, torch.Tensor]:
+        """The states of these sequences' generators after a step that drew from them (to send back)."""
+        return {seq_id: self.seqs[seq_id].generator.get_state() for seq_id in seq_ids}
