@@ -2,9 +2,17 @@
 layers point down only."""
 
 import ast
+import pickle
 from pathlib import Path
 
 from grading.spine import PAGE, build
+from solutions import SamplingParams
+from solutions.core.kv_cache_manager import KVCacheManager
+from solutions.core.sched.output import ModelRunnerOutput, sampling_rows
+from solutions.core.sched.scheduler import Scheduler
+from solutions.core.sequence import Sequence
+from solutions.utils.math_utils import cdiv
+from solutions.worker.cached_requests import CachedRequests, StepEncoder
 
 SOLUTIONS = Path(__file__).resolve().parents[1] / "solutions"
 # Each layer may import itself and the layers below it, never one above (the front ends and entry points on top).
@@ -78,3 +86,43 @@ def test_the_config_imports_no_layer_that_reads_it():
     the workers: what they check (the attention backends, the policies) is named below them."""
     found = imports_of(CONFIGS, ("solutions.worker", "solutions.executor", "solutions.core"))
     assert not found, "the config imports a layer that reads it:\n" + "\n".join(found)
+
+
+def decode_steps_through_a_worker_pipe(context_len: int, num_seqs: int = 64, steps: int = 3) -> list[int]:
+    """`num_seqs` sequences of `context_len` prompt tokens through a real scheduler (no model: each sampling row
+    gets token 7): the bytes of each step's message to a worker, the first step prefilling all of them. Each
+    message is read back as a worker reads it, and the worker's copies must equal the engine's sequences."""
+    block_size = 16
+    blocks = num_seqs * (cdiv(context_len + steps, block_size) + 1)
+    scheduler = Scheduler(KVCacheManager(blocks, block_size), max_num_seqs=num_seqs,
+                          max_num_batched_tokens=num_seqs * context_len, long_prefill_token_threshold=context_len,
+                          max_model_len=context_len + steps + 1)
+    for i in range(num_seqs):
+        seq = Sequence(i, [(7 * i + j) % 250 + 3 for j in range(context_len)])
+        seq.request_id, seq.sampling_params = f"r{i}", SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+        scheduler.add_request(seq)
+    encoder, worker = StepEncoder(block_size), CachedRequests()
+    sizes = []
+    for _ in range(steps):
+        out = scheduler.schedule()
+        message = encoder.message(out)
+        sizes.append(len(message))
+        got = worker.apply(pickle.loads(message))
+        assert [(s.seq_id, s.token_ids, s.block_table, s.num_computed_tokens) for s in got.scheduled_seqs] == [
+            (s.seq_id, s.token_ids, s.block_table, s.num_computed_tokens) for s in out.scheduled_seqs
+        ], "the worker's copies are the engine's sequences"
+        _, seqs = sampling_rows(out)
+        scheduler.update_from_output(out, ModelRunnerOutput([s.seq_id for s in seqs], [[7]] * len(seqs),
+                                                            [None] * len(seqs)))
+    return sizes
+
+
+def test_a_decode_step_sends_a_worker_its_changes_not_its_contexts():
+    """vLLM's `NewRequestData` once, then `CachedRequestData` (`vllm/v1/core/sched/output.py`): a decode step's
+    message grows with the new tokens (one per sequence), not with the contexts."""
+    short, long = decode_steps_through_a_worker_pipe(250), decode_steps_through_a_worker_pipe(1000)
+    assert long[0] > 2.5 * short[0], "the first step carries every prompt whole"
+    for step in (1, 2):
+        assert long[step] <= 1.05 * short[step], f"step {step}: {short[step]} B at 250 tokens, {long[step]} B at 1000"
+        assert long[step] * 10 <= long[0], f"decode step {step}: {long[step]} B, the prefill's {long[0]} B"
+        assert long[step] <= 64 * 150, f"decode step {step}: {long[step] / 64:.0f} B per sequence"

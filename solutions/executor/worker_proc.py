@@ -25,7 +25,6 @@ pipe, `worker_busy_loop`; the executor's `collective_rpc` with a timeout; `shutd
 
 import math
 import multiprocessing
-import multiprocessing.reduction
 import os
 import time
 import traceback
@@ -142,8 +141,7 @@ class WorkerProc:
     def send_step(self, scheduler_output: SchedulerOutput, generators: bool = False) -> None:
         """Send this worker its step as changes to what it holds (with `generators`, the drawing sequences'
         generator states too: a worker that samples)."""
-        delta = self.encoder.encode(scheduler_output, generators)
-        message = multiprocessing.reduction.ForkingPickler.dumps(delta)
+        message = self.encoder.message(scheduler_output, generators)
         self.bytes_sent += len(message)
         try:
             self.conn.send_bytes(message)

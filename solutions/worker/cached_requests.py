@@ -22,6 +22,7 @@ to re-send it every scheduling step") and `vllm/v1/worker/gpu_model_runner.py` (
 """
 
 import dataclasses
+import multiprocessing.reduction
 from dataclasses import dataclass, field
 
 import torch
@@ -108,6 +109,10 @@ class StepEncoder:
                 seq.seq_id: seq.generator.get_state() for seq in sampling_rows(out)[1] if not seq.sampling_params.greedy
             }
         return delta
+
+    def message(self, out: SchedulerOutput, generators: bool = False) -> bytes:
+        """`encode`'s delta as the bytes that cross the pipe (pickled as `multiprocessing` pickles)."""
+        return bytes(multiprocessing.reduction.ForkingPickler.dumps(self.encode(out, generators)))
 
 
 class CachedRequests:
