@@ -21,7 +21,7 @@ from typing import Any, Self, get_args
 
 import torch
 
-from solutions.attention.registry import ATTENTION_BACKENDS
+from solutions.attention.registry import ATTENTION_BACKENDS, get_attention_backend
 from solutions.config import (
     CacheConfig,
     DataParallelPlacement,
@@ -120,9 +120,8 @@ class EngineArgs:
         if isinstance(self.dtype, torch.dtype):  # accepted as in vLLM: torch.bfloat16 for "bfloat16"
             self.dtype = {v: k for k, v in DTYPES.items()}.get(self.dtype, str(self.dtype))
         for name, allowed in (
-            ("scheduling_policy", SCHEDULING_POLICIES), ("attention_backend", ATTENTION_BACKENDS), ("device", DEVICES),
-            ("dtype", tuple(DTYPES)), ("preemption_mode", PREEMPTION_MODES),
-            ("kv_offloading_backend", KV_OFFLOADING_BACKENDS),
+            ("scheduling_policy", SCHEDULING_POLICIES), ("device", DEVICES), ("dtype", tuple(DTYPES)),
+            ("preemption_mode", PREEMPTION_MODES), ("kv_offloading_backend", KV_OFFLOADING_BACKENDS),
         ):
             check_one_of(name, getattr(self, name), allowed)
         if self.kv_reservation is not None:
@@ -138,27 +137,35 @@ class EngineArgs:
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))
         parallel = self._parallel_config()  # its own checks
-        if self.tensor_parallel_size > 1 and self.attention_backend == "inductor":
-            raise ParameterError(
-                f"tensor_parallel_size={self.tensor_parallel_size} runs with attention_backend 'torch' or 'triton'; "
-                "the inductor fast path compiles one process's whole model, got attention_backend='inductor'",
-                "tensor_parallel_size",
-            )
+        self._check_attention_backend()
         if self.dtype not in CPU_DTYPES and self.device == "cpu":
             raise ParameterError(
                 f"dtype={self.dtype!r} is not supported on device='cpu'; on the CPU dtype must be one of {CPU_DTYPES}",
                 "dtype",
-            )
-        if self.attention_backend == "inductor" and self.device != "cpu":
-            raise ParameterError(
-                "attention_backend='inductor' is the CPU's fast path (device='cpu'); on a GPU use "
-                "attention_backend='triton'", "attention_backend",
             )
         if self.speculative_config is not None:
             self._check_speculative_config()
         self._check_host_memory()
         if parallel.data_parallel:
             self._check_data_parallel()
+
+    def _check_attention_backend(self) -> None:
+        """A registered name (`registry.py`), and what its class says it runs with (`AttentionBackend`): the device,
+        tensor parallelism."""
+        backend = get_attention_backend(self.attention_backend)
+        if self.tensor_parallel_size > 1 and not backend.supports_tensor_parallel:
+            able = [name for name in ATTENTION_BACKENDS if get_attention_backend(name).supports_tensor_parallel]
+            raise ParameterError(
+                f"tensor_parallel_size={self.tensor_parallel_size} runs with attention_backend {_either(able)}; got "
+                f"attention_backend={self.attention_backend!r} ({backend.__name__} compiles one process's whole model)",
+                "tensor_parallel_size",
+            )
+        if self.device not in backend.devices:
+            able = [name for name in ATTENTION_BACKENDS if self.device in get_attention_backend(name).devices]
+            raise ParameterError(
+                f"attention_backend={self.attention_backend!r} runs on device {_either(backend.devices)}: on "
+                f"device={self.device!r} use attention_backend {_either(able)}", "attention_backend",
+            )
 
     def _check_data_parallel(self) -> None:
         """What data parallelism does not run with beyond `ParallelConfig`'s own (ParameterError naming the
@@ -387,6 +394,10 @@ def engine_args_from_kwargs(cls: type[EngineArgs], kwargs: dict[str, Any]) -> En
     if unknown := sorted(set(kwargs) - known):
         raise ParameterError(f"unknown engine options {unknown}; the engine takes {sorted(known)}", unknown[0])
     return cls(**kwargs)
+
+
+def _either(values: tuple | list) -> str:
+    return " or ".join(map(repr, values))
 
 
 def _flag(name: str) -> str:
