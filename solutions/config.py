@@ -2,7 +2,9 @@
 
 Every option has been checked and resolved by the time a `VllmConfig` exists (the device and dtype, the context
 limit, the KV cache's size in blocks, the per-step prefill cap), so no layer below re-reads a keyword or repeats
-a check. The parts follow vLLM's split, so each layer takes the parts it needs:
+a check. A part whose values need nothing resolved checks them itself, when it is made (`__post_init__`: a
+ParameterError naming the field): `ParallelConfig`, `SpeculativeConfig`; `EngineArgs` makes them when it is made.
+The parts follow vLLM's split, so each layer takes the parts it needs:
 
     model_config      which checkpoint, its architecture (`hf_config`), dtype, context limit, seed, who attends
     cache_config      the KV cache: block size, how many blocks, prefix caching, which KV cache manager
@@ -163,7 +165,7 @@ class SpeculativeConfig:
         check_one_of(f"{self.OPTION}['method']", self.method, tuple(self.METHOD_FIELDS), parameter=self.OPTION)
         own = self.method_keys(self.method)
         self._refuse_keys([key for key in self.method_keys(None) if key not in own and getattr(self, key) is not None])
-        for key in self.method_keys(self.method)[1:]:
+        for key in own[1:]:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ParameterError(f"{self.OPTION}[{key!r}] must be an int >= 1, got {value!r}", self.OPTION)
@@ -194,7 +196,9 @@ class SpeculativeConfig:
             values.update(prompt_lookup_min=lookup_min, prompt_lookup_max=lookup_max)
         config = cls(**values)
         config._refuse_keys(sorted(set(options) - set(values)))
-        if num_hidden_layers is not None and (config.num_draft_layers or 0) >= num_hidden_layers:
+        if num_hidden_layers is not None and config.num_draft_layers is not None and (
+            config.num_draft_layers >= num_hidden_layers
+        ):
             raise ParameterError(
                 f"{cls.OPTION}['num_draft_layers'] must be in [1, {num_hidden_layers - 1}] (the model has "
                 f"{num_hidden_layers} layers), got {config.num_draft_layers}", cls.OPTION,

@@ -157,8 +157,8 @@ class EngineArgs:
             able = [name for name in ATTENTION_BACKENDS if get_attention_backend(name).supports_tensor_parallel]
             raise ParameterError(
                 f"tensor_parallel_size={self.tensor_parallel_size} runs with attention_backend {_either(able)}; got "
-                f"attention_backend={self.attention_backend!r} ({backend.__name__} compiles one process's whole model)",
-                "tensor_parallel_size",
+                f"attention_backend={self.attention_backend!r}, one process's backend ({backend.__name__}: "
+                "supports_tensor_parallel=False)", "tensor_parallel_size",
             )
         if self.device not in backend.devices:
             able = [name for name in ATTENTION_BACKENDS if self.device in get_attention_backend(name).devices]
