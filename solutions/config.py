@@ -2,7 +2,9 @@
 
 Every option has been checked and resolved by the time a `VllmConfig` exists (the device and dtype, the context
 limit, the KV cache's size in blocks, the per-step prefill cap), so no layer below re-reads a keyword or repeats
-a check. The parts follow vLLM's split, so each layer takes the parts it needs:
+a check. A part whose values need nothing resolved checks them itself, when it is made (`__post_init__`: a
+ParameterError naming the field): `ParallelConfig`, `SpeculativeConfig`; `EngineArgs` makes them when it is made.
+The parts follow vLLM's split, so each layer takes the parts it needs:
 
     model_config      which checkpoint, its architecture (`hf_config`), dtype, context limit, seed, who attends
     cache_config      the KV cache: block size, how many blocks, prefix caching, which KV cache manager
@@ -18,17 +20,20 @@ Where this lives in vLLM: `vllm/config/` (`VllmConfig`, `ModelConfig`, `CacheCon
 `ParallelConfig`, `DeviceConfig`, `SpeculativeConfig` in `vllm/config/speculative.py`).
 """
 
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Literal, Self, get_args
 
 import torch
 
+from solutions.exceptions import ParameterError, check_one_of, check_positive_int
 from solutions.model import config as hf
 
 # The admission order, named as the flag spells it; the scheduler turns it into its queue (`SchedulingPolicy`).
 SchedulerPolicy = Literal["fcfs", "priority"]
 # Which replica takes a new sequence under data parallelism (chapter 12); `core/sched/placement.py` builds it.
 DataParallelPlacement = Literal["round_robin", "least_loaded", "prefix", "approx_prefix"]
+DistributedExecutorBackend = Literal["mp", "external_launcher"]  # workers this process starts; every rank by torchrun
+WorkerMultiprocMethod = Literal["spawn", "fork"]
 PAGED_KV_CACHE_MANAGER = "solutions.core.kv_cache_manager.KVCacheManager"
 
 
@@ -94,10 +99,36 @@ class ParallelConfig:
     replicas, started by this process, each with the cache and step limits the other configs give one engine."""
 
     tensor_parallel_size: int = 1
-    distributed_executor_backend: str = "mp"
-    worker_multiproc_method: str = "spawn"
+    distributed_executor_backend: DistributedExecutorBackend = "mp"
+    worker_multiproc_method: WorkerMultiprocMethod = "spawn"
     data_parallel_size: int = 1  # model replicas, each a worker process with its own KV block pool
     data_parallel_placement: DataParallelPlacement = "prefix"  # which replica takes a new sequence
+
+    def __post_init__(self) -> None:
+        """ParameterError naming the field: each value, then what data parallelism does not run with (each replica
+        is one whole model in one worker process: no tensor parallelism inside it, no torchrun around it)."""
+        for name, kind in (
+            ("distributed_executor_backend", DistributedExecutorBackend),
+            ("worker_multiproc_method", WorkerMultiprocMethod), ("data_parallel_placement", DataParallelPlacement),
+        ):
+            check_one_of(name, getattr(self, name), get_args(kind))
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            check_positive_int(name, getattr(self, name))
+        if not self.data_parallel:
+            return
+        for name, conflict, what in (
+            ("tensor_parallel_size", self.tensor_parallel_size != 1,
+             f"tensor_parallel_size={self.tensor_parallel_size}"),
+            ("distributed_executor_backend", self.distributed_executor_backend != "mp",
+             f"distributed_executor_backend={self.distributed_executor_backend!r} (this process starts the replicas)"),
+        ):
+            if conflict:
+                raise ParameterError(f"data_parallel_size={self.data_parallel_size} does not run with {what}", name)
+
+    @property
+    def data_parallel(self) -> bool:
+        """Is data parallelism on (more than one replica)? Asked here only, by every layer that branches on it."""
+        return self.data_parallel_size > 1
 
 
 @dataclass(frozen=True)
@@ -113,13 +144,73 @@ class SpeculativeConfig:
     the tokens that followed the longest earlier occurrence of the context's last n tokens, n in
     [`prompt_lookup_min`, `prompt_lookup_max`]; "draft_model" drafts greedily with the target's own first
     `num_draft_layers` layers, its final norm and LM head (self-speculation; `num_draft_layers` is ours, vLLM's
-    draft model is a separate checkpoint). Each method's own fields are None under the other."""
+    draft model is a separate checkpoint). Each method's own fields (`METHOD_FIELDS`) are None under the other.
+
+    Built from the engine's `speculative_config` option (`from_options`), so a bad value is a ParameterError about
+    that option, naming the key: `speculative_config['num_speculative_tokens'] must be an int >= 1, got 0`. The
+    proposers take its values as they are."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     num_draft_layers: int | None = None  # in [1, num_hidden_layers - 1]: the whole model would be no cheaper
+
+    OPTION: ClassVar[str] = "speculative_config"  # the engine option these come from, named in every error
+    METHOD_FIELDS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "ngram": ("prompt_lookup_min", "prompt_lookup_max"), "draft_model": ("num_draft_layers",),
+    }
+
+    def __post_init__(self) -> None:
+        check_one_of(f"{self.OPTION}['method']", self.method, tuple(self.METHOD_FIELDS), parameter=self.OPTION)
+        own = self.method_keys(self.method)
+        self._refuse_keys([key for key in self.method_keys(None) if key not in own and getattr(self, key) is not None])
+        for key in own[1:]:
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ParameterError(f"{self.OPTION}[{key!r}] must be an int >= 1, got {value!r}", self.OPTION)
+        if self.method == "ngram" and self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ParameterError(
+                f"{self.OPTION}['prompt_lookup_min'] must be at most prompt_lookup_max={self.prompt_lookup_max}, "
+                f"got {self.prompt_lookup_min}", self.OPTION,
+            )
+
+    @classmethod
+    def method_keys(cls, method: str | None) -> tuple[str, ...]:
+        """The keys of `method`'s config ("method" first); None: every key of every method."""
+        own = [name for m, names in cls.METHOD_FIELDS.items() if method in (m, None) for name in names]
+        return ("method", "num_speculative_tokens", *own)
+
+    @classmethod
+    def from_options(cls, options: object, num_hidden_layers: int | None = None) -> Self:
+        """The engine's `speculative_config` dict, with vLLM's defaults: prompt_lookup_min and prompt_lookup_max
+        default to each other, and both to 5. Given the target's `num_hidden_layers`, `num_draft_layers` must
+        leave the draft cheaper than the target: at most `num_hidden_layers` - 1."""
+        if not isinstance(options, dict):
+            raise ParameterError(f"{cls.OPTION} must be a dict (or None), got {type(options).__name__}", cls.OPTION)
+        values = {f.name: options.get(f.name) for f in fields(cls)}
+        if values["method"] == "ngram":
+            lookup_min, lookup_max = values["prompt_lookup_min"], values["prompt_lookup_max"]
+            lookup_min = lookup_min if lookup_min is not None else lookup_max if lookup_max is not None else 5
+            lookup_max = lookup_max if lookup_max is not None else lookup_min
+            values.update(prompt_lookup_min=lookup_min, prompt_lookup_max=lookup_max)
+        config = cls(**values)
+        config._refuse_keys(sorted(set(options) - set(values)))
+        if num_hidden_layers is not None and config.num_draft_layers is not None and (
+            config.num_draft_layers >= num_hidden_layers
+        ):
+            raise ParameterError(
+                f"{cls.OPTION}['num_draft_layers'] must be in [1, {num_hidden_layers - 1}] (the model has "
+                f"{num_hidden_layers} layers), got {config.num_draft_layers}", cls.OPTION,
+            )
+        return config
+
+    def _refuse_keys(self, unknown: list[str]) -> None:
+        if unknown:
+            raise ParameterError(
+                f"{self.OPTION} has unknown keys {unknown} for method {self.method!r}; its keys are "
+                f"{self.method_keys(self.method)}", self.OPTION,
+            )
 
 
 @dataclass(frozen=True)

@@ -16,3 +16,18 @@ class ParameterError(ValueError):
 
     def __reduce__(self) -> tuple:  # crosses the engine core's process boundary whole
         return type(self), (str(self), self.parameter)
+
+
+def check_one_of(name: str, value: object, allowed: tuple, extra: str = "", parameter: str | None = None) -> None:
+    """ParameterError naming `name` and `allowed` unless `value` is one of them (`parameter`: the field, if not
+    `name`)."""
+    if value not in allowed:
+        raise ParameterError(
+            f"{name} must be one of {allowed}{' ' + extra if extra else ''}, got {value!r}", parameter or name
+        )
+
+
+def check_positive_int(name: str, value: object) -> None:
+    """ParameterError naming `name` unless `value` is an int > 0 (a bool is not one)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ParameterError(f"{name} must be a positive int, got {value!r}", name)

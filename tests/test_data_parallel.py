@@ -18,6 +18,7 @@ import pytest
 from grading.parity import assert_greedy_close, hf_greedy, hf_oracle
 from grading.tiny_models import prompts_with_a_shared_head, sampled_token_ids, tiny_checkpoint
 from solutions import LLM, SamplingParams
+from solutions.config import ParallelConfig
 from solutions.core.data_parallel_kv_cache_manager import DataParallelKVCacheManager
 from solutions.core.kv_cache_manager import KVCacheManager
 from solutions.core.sched.data_parallel_scheduler import DataParallelModelRunnerOutput, DataParallelScheduler
@@ -222,6 +223,21 @@ def test_what_data_parallelism_does_not_run_with_is_refused(options, field):
     with pytest.raises(ParameterError, match="data_parallel_size=2") as info:
         EngineArgs(data_parallel_size=2, **options)
     assert info.value.parameter == field
+
+
+@pytest.mark.parametrize("options, field", [
+    (dict(data_parallel_size=0), "data_parallel_size"),
+    (dict(worker_multiproc_method="forkserver"), "worker_multiproc_method"),
+    (dict(data_parallel_placement="random"), "data_parallel_placement"),
+    (dict(data_parallel_size=2, tensor_parallel_size=2), "tensor_parallel_size"),
+    (dict(data_parallel_size=2, distributed_executor_backend="external_launcher"), "distributed_executor_backend"),
+])
+def test_parallel_config_checks_its_own_values_naming_the_field(options, field):
+    """The rules live in `ParallelConfig`: made directly, without `EngineArgs`, a bad value is refused the same."""
+    with pytest.raises(ParameterError, match=field) as info:
+        ParallelConfig(**options)
+    assert info.value.parameter == field
+    assert ParallelConfig(data_parallel_size=2).data_parallel and not ParallelConfig().data_parallel
 
 
 # --- placement on hand-built pools, no model -----------------------------------------------------------------------

@@ -11,6 +11,7 @@ import torch
 from grading.parity import assert_greedy_close, hf_greedy, hf_oracle
 from grading.tiny_models import tiny_checkpoint
 from solutions import LLM, FinishReason, SamplingParams
+from solutions.config import SpeculativeConfig
 from solutions.core.block_hash import extend_block_hashes
 from solutions.core.kv_cache_manager import KVCacheManager
 from solutions.core.sched.output import DraftTokenIds, ModelRunnerOutput
@@ -362,6 +363,35 @@ def test_a_bad_speculative_config_names_the_key(config, message):
     with pytest.raises(ParameterError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")) as e:
         EngineArgs(speculative_config=config)
     assert e.value.parameter == "speculative_config"
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (("ngram", 4, 3, 2), "speculative_config['prompt_lookup_min'] must be at most prompt_lookup_max=2, got 3"),
+        (("ngram", 4, 0, 2), "speculative_config['prompt_lookup_min'] must be an int >= 1, got 0"),
+        (("ngram", 4, 1.5, 2), "speculative_config['prompt_lookup_min'] must be an int >= 1, got 1.5"),
+        (("ngram", 4, True, 2), "speculative_config['prompt_lookup_min'] must be an int >= 1, got True"),
+        (("ngram", 4, 1, None), "speculative_config['prompt_lookup_max'] must be an int >= 1, got None"),
+        (("ngram", 0, 1, 2), "speculative_config['num_speculative_tokens'] must be an int >= 1, got 0"),
+        (("draft_model", 4, None, None, 0), "speculative_config['num_draft_layers'] must be an int >= 1, got 0"),
+        (("draft_model", 4, None, 3, 1), "unknown keys ['prompt_lookup_max'] for method 'draft_model'"),
+        (("eagle", 4), "speculative_config['method'] must be one of ('ngram', 'draft_model'), got 'eagle'"),
+    ],
+)
+def test_speculative_config_checks_its_own_values_naming_the_key(fields, message):
+    """The rules live in `SpeculativeConfig`: made directly, without `EngineArgs`, a bad value is refused the same
+    (the proposers take their values as they are)."""
+    with pytest.raises(ParameterError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")) as e:
+        SpeculativeConfig(*fields)
+    assert e.value.parameter == "speculative_config"
+
+
+def test_a_draft_as_deep_as_the_target_is_refused_by_the_config():
+    options = {"method": "draft_model", "num_speculative_tokens": 2, "num_draft_layers": 2}
+    with pytest.raises(ParameterError, match=r"num_draft_layers'\] must be in \[1, 1\] \(the model has 2 layers\)"):
+        SpeculativeConfig.from_options(options, num_hidden_layers=2)
+    assert SpeculativeConfig.from_options(options, num_hidden_layers=3).num_draft_layers == 2
 
 
 def test_speculative_config_defaults_and_the_command_line_flag():

@@ -142,6 +142,9 @@ class InductorAttentionBackend(TorchAttentionBackend):
     `max_decode_query_len` tokens before its end, so every piece is whole; the rows it shares with the piece
     before it are written once."""
 
+    devices = ("cpu",)
+    compiles_on = ("cpu",)  # the whole forward pass, at start-up
+    supports_tensor_parallel = False  # the compiled graph is one process's whole model
     decode_attention = staticmethod(fast_decode_attention)
     max_decode_query_len = 16
 

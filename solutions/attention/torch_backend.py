@@ -57,6 +57,9 @@ class TorchAttentionBackend:
     `decode_attention` is the one step a subclass changes: `inductor_backend.py` attends in place.
     """
 
+    devices = ("cpu", "cuda")
+    compiles_on = ()  # eager everywhere
+    supports_tensor_parallel = True
     decode_attention = staticmethod(batched_decode_attention)
     max_decode_query_len = 1  # sequences with at most this many new tokens are attended by `decode_attention`
 

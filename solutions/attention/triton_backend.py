@@ -24,6 +24,10 @@ from solutions.attention.paged import AttentionMetadata, KVCache
 class TritonAttentionBackend:
     """Backend for one engine step: the `PagedAttention` interface, Triton kernels underneath."""
 
+    devices = ("cpu", "cuda")  # on the CPU, in Triton's interpreter
+    compiles_on = ("cuda",)  # the forward compiled, pure-decode steps replayed as CUDA graphs (`for_decode`)
+    supports_tensor_parallel = True
+
     def __init__(self, kv_cache: KVCache, metadata: AttentionMetadata) -> None:
         import kernels  # sets TRITON_INTERPRET on a machine without CUDA, before any kernel is decorated
 

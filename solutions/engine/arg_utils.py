@@ -21,19 +21,21 @@ from typing import Any, Self, get_args
 
 import torch
 
-from solutions.attention.registry import ATTENTION_BACKENDS
+from solutions.attention.registry import ATTENTION_BACKENDS, get_attention_backend
 from solutions.config import (
     CacheConfig,
     DataParallelPlacement,
     DeviceConfig,
+    DistributedExecutorBackend,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
     SchedulerPolicy,
     SpeculativeConfig,
     VllmConfig,
+    WorkerMultiprocMethod,
 )
-from solutions.exceptions import ParameterError
+from solutions.exceptions import ParameterError, check_one_of, check_positive_int
 from solutions.model.config import ModelConfig as HFConfig
 from solutions.model.loader import DEFAULT_MODEL, resolve_model
 from solutions.utils.math_utils import cdiv
@@ -41,19 +43,15 @@ from solutions.utils.math_utils import cdiv
 SCHEDULING_POLICIES = get_args(SchedulerPolicy)
 PLACEMENT_POLICIES = get_args(DataParallelPlacement)
 DEVICES = ("cpu", "cuda")
-DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "external_launcher")  # workers this process starts; every rank by torchrun
-WORKER_MULTIPROC_METHODS = ("spawn", "fork")
+DISTRIBUTED_EXECUTOR_BACKENDS = get_args(DistributedExecutorBackend)
+WORKER_MULTIPROC_METHODS = get_args(WorkerMultiprocMethod)
 KV_RESERVATIONS = ("max", "pow2", "oracle")  # chapter 2's Orca baselines (the paper's Max, Pow2, Oracle)
 RESERVING_KV_CACHE_MANAGER = "solutions.baselines.reserving_kv_cache_manager.ReservingKVCacheManager"
 ENGINE_CORE_KINDS = ("process", "thread")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # CPU matmuls in float16 are emulated (several times slower than float32 here); bfloat16 runs natively.
 CPU_DTYPES = ("float32", "bfloat16")
-SPECULATIVE_KEYS = {  # each method's keys
-    "ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"),
-    "draft_model": ("method", "num_speculative_tokens", "num_draft_layers"),
-}
-SPECULATIVE_METHODS = tuple(SPECULATIVE_KEYS)
+SPECULATIVE_KEYS = {method: SpeculativeConfig.method_keys(method) for method in SpeculativeConfig.METHOD_FIELDS}
 PREEMPTION_MODES = ("recompute", "swap")  # vLLM v0's; chapter 11
 KV_OFFLOADING_BACKENDS = ("native",)  # vLLM v1's own CPU tier (its "lmcache" is another library)
 
@@ -122,62 +120,68 @@ class EngineArgs:
         if isinstance(self.dtype, torch.dtype):  # accepted as in vLLM: torch.bfloat16 for "bfloat16"
             self.dtype = {v: k for k, v in DTYPES.items()}.get(self.dtype, str(self.dtype))
         for name, allowed in (
-            ("scheduling_policy", SCHEDULING_POLICIES), ("attention_backend", ATTENTION_BACKENDS), ("device", DEVICES),
-            ("dtype", tuple(DTYPES)), ("distributed_executor_backend", DISTRIBUTED_EXECUTOR_BACKENDS),
-            ("worker_multiproc_method", WORKER_MULTIPROC_METHODS), ("preemption_mode", PREEMPTION_MODES),
-            ("kv_offloading_backend", KV_OFFLOADING_BACKENDS), ("data_parallel_placement", PLACEMENT_POLICIES),
+            ("scheduling_policy", SCHEDULING_POLICIES), ("device", DEVICES), ("dtype", tuple(DTYPES)),
+            ("preemption_mode", PREEMPTION_MODES), ("kv_offloading_backend", KV_OFFLOADING_BACKENDS),
         ):
-            _one_of(name, getattr(self, name), allowed)
+            check_one_of(name, getattr(self, name), allowed)
         if self.kv_reservation is not None:
-            _one_of("kv_reservation", self.kv_reservation, KV_RESERVATIONS, "or None")
+            check_one_of("kv_reservation", self.kv_reservation, KV_RESERVATIONS, "or None")
         for name in ("enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ParameterError(f"{name} must be True or False, got {getattr(self, name)!r}", name)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ParameterError(f"seed must be an int, got {self.seed!r}", "seed")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
-                     "tensor_parallel_size", "data_parallel_size"):
-            _positive_int(name, getattr(self, name))
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+            check_positive_int(name, getattr(self, name))
         for name in ("num_kv_blocks", "max_model_len", "long_prefill_token_threshold", "cpu_threads"):
             if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name))
-        if self.tensor_parallel_size > 1 and self.attention_backend == "inductor":
-            raise ParameterError(
-                f"tensor_parallel_size={self.tensor_parallel_size} runs with attention_backend 'torch' or 'triton'; "
-                "the inductor fast path compiles one process's whole model, got attention_backend='inductor'",
-                "tensor_parallel_size",
-            )
+                check_positive_int(name, getattr(self, name))
+        parallel = self._parallel_config()  # its own checks
+        self._check_attention_backend()
         if self.dtype not in CPU_DTYPES and self.device == "cpu":
             raise ParameterError(
                 f"dtype={self.dtype!r} is not supported on device='cpu'; on the CPU dtype must be one of {CPU_DTYPES}",
                 "dtype",
             )
-        if self.attention_backend == "inductor" and self.device != "cpu":
-            raise ParameterError(
-                "attention_backend='inductor' is the CPU's fast path (device='cpu'); on a GPU use "
-                "attention_backend='triton'", "attention_backend",
-            )
         if self.speculative_config is not None:
             self._check_speculative_config()
         self._check_host_memory()
-        if self.data_parallel_size > 1:
+        if parallel.data_parallel:
             self._check_data_parallel()
 
+    def _check_attention_backend(self) -> None:
+        """A registered name (`registry.py`), and what its class says it runs with (`AttentionBackend`): the device,
+        tensor parallelism."""
+        backend = get_attention_backend(self.attention_backend)
+        if self.tensor_parallel_size > 1 and not backend.supports_tensor_parallel:
+            able = [name for name in ATTENTION_BACKENDS if get_attention_backend(name).supports_tensor_parallel]
+            raise ParameterError(
+                f"tensor_parallel_size={self.tensor_parallel_size} runs with attention_backend {_either(able)}; got "
+                f"attention_backend={self.attention_backend!r}, one process's backend ({backend.__name__}: "
+                "supports_tensor_parallel=False)", "tensor_parallel_size",
+            )
+        if self.device not in backend.devices:
+            able = [name for name in ATTENTION_BACKENDS if self.device in get_attention_backend(name).devices]
+            raise ParameterError(
+                f"attention_backend={self.attention_backend!r} runs on device {_either(backend.devices)}: on "
+                f"device={self.device!r} use attention_backend {_either(able)}", "attention_backend",
+            )
+
     def _check_data_parallel(self) -> None:
-        """What data parallelism does not run with (ParameterError naming the field): each replica is one whole
-        model in one worker process, so no tensor parallelism inside it and no torchrun around it; speculative
-        decoding and the reserving baselines run on one replica."""
-        conflicts = (
-            ("tensor_parallel_size", self.tensor_parallel_size != 1,
-             f"tensor_parallel_size={self.tensor_parallel_size}"),
-            ("distributed_executor_backend", self.distributed_executor_backend != "mp",
-             f"distributed_executor_backend={self.distributed_executor_backend!r} (this process starts the replicas)"),
+        """What data parallelism does not run with beyond `ParallelConfig`'s own (ParameterError naming the
+        field): speculative decoding and the reserving baselines run on one replica."""
+        for name, conflict, what in (
             ("speculative_config", self.speculative_config is not None, "speculative_config"),
             ("kv_reservation", self.kv_reservation is not None, f"kv_reservation={self.kv_reservation!r}"),
-        )
-        for name, conflict, what in conflicts:
+        ):
             if conflict:
                 raise ParameterError(f"data_parallel_size={self.data_parallel_size} does not run with {what}", name)
+
+    def _parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
+            self.tensor_parallel_size, self.distributed_executor_backend, self.worker_multiproc_method,
+            self.data_parallel_size, self.data_parallel_placement,
+        )
 
     def _check_host_memory(self) -> None:
         """Chapter 11's sizes, and what they do not run with (ParameterError naming the field)."""
@@ -201,50 +205,18 @@ class EngineArgs:
             )
 
     def _speculative_config(self, num_hidden_layers: int | None = None) -> SpeculativeConfig | None:
-        """`speculative_config` as a `SpeculativeConfig`, with vLLM's defaults: prompt_lookup_min and
-        prompt_lookup_max default to each other, and both to 5. `num_draft_layers` must leave the draft cheaper than
-        the target: at most `num_hidden_layers` - 1, checked once the checkpoint's config is read. ParameterError
-        naming the key at fault."""
-        options = self.speculative_config
-        if options is None:
+        """`speculative_config` as a `SpeculativeConfig` (whose checks name the key at fault), and what it does
+        not run with: a draft model under tensor parallelism."""
+        if self.speculative_config is None:
             return None
-        name = "speculative_config"
-        if not isinstance(options, dict):
-            raise ParameterError(f"{name} must be a dict (or None), got {type(options).__name__}", name)
-        method = options.get("method")
-        if method not in SPECULATIVE_METHODS:
-            raise ParameterError(f"{name}['method'] must be one of {SPECULATIVE_METHODS}, got {method!r}", name)
-        keys = SPECULATIVE_KEYS[method]
-        if unknown := sorted(set(options) - set(keys)):
-            raise ParameterError(f"{name} has unknown keys {unknown} for method {method!r}; its keys are {keys}", name)
-        values = dict(options)
-        if method == "ngram":
-            lookup_min, lookup_max = options.get("prompt_lookup_min"), options.get("prompt_lookup_max")
-            lookup_min = lookup_min if lookup_min is not None else lookup_max if lookup_max is not None else 5
-            lookup_max = lookup_max if lookup_max is not None else lookup_min
-            values.update(prompt_lookup_min=lookup_min, prompt_lookup_max=lookup_max)
-        for key in keys[1:]:
-            value = values.get(key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ParameterError(f"{name}[{key!r}] must be an int >= 1, got {value!r}", name)
-        if method == "ngram" and values["prompt_lookup_min"] > values["prompt_lookup_max"]:
+        config = SpeculativeConfig.from_options(self.speculative_config, num_hidden_layers)
+        if config.method == "draft_model" and self.tensor_parallel_size > 1:
             raise ParameterError(
-                f"{name}['prompt_lookup_min'] must be at most prompt_lookup_max={values['prompt_lookup_max']}, "
-                f"got {values['prompt_lookup_min']}", name
+                "speculative_config['method'] 'draft_model' runs with tensor_parallel_size=1 only (rank 0 drafts "
+                "alone, and the draft's layers are its shards of the target's, whose collectives the other ranks "
+                f"would not join), got tensor_parallel_size={self.tensor_parallel_size}", "speculative_config",
             )
-        if method == "draft_model" and self.tensor_parallel_size > 1:
-            raise ParameterError(
-                f"{name}['method'] 'draft_model' runs with tensor_parallel_size=1 only (rank 0 drafts alone, and the "
-                "draft's layers are its shards of the target's, whose collectives the other ranks would not join), "
-                f"got tensor_parallel_size={self.tensor_parallel_size}", name,
-            )
-        num_draft_layers = values.get("num_draft_layers")
-        if num_draft_layers is not None and num_hidden_layers is not None and num_draft_layers >= num_hidden_layers:
-            raise ParameterError(
-                f"{name}['num_draft_layers'] must be in [1, {num_hidden_layers - 1}] (the model has "
-                f"{num_hidden_layers} layers), got {num_draft_layers}", name
-            )
-        return SpeculativeConfig(**{key: values[key] for key in keys})
+        return config
 
     def _check_speculative_config(self) -> None:
         """Its keys, and the options it does not run with yet (ParameterError naming both)."""
@@ -293,10 +265,7 @@ class EngineArgs:
                 self.long_prefill_token_threshold or self.max_num_batched_tokens,
                 self.scheduling_policy,
             ),
-            parallel_config=ParallelConfig(
-                self.tensor_parallel_size, self.distributed_executor_backend, self.worker_multiproc_method,
-                self.data_parallel_size, self.data_parallel_placement,
-            ),
+            parallel_config=self._parallel_config(),
             device_config=DeviceConfig(device, self.cpu_threads),
             speculative_config=self._speculative_config(hf_config.num_hidden_layers),
         )
@@ -416,7 +385,7 @@ class AsyncEngineArgs(EngineArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _one_of("engine_core", self.engine_core, ENGINE_CORE_KINDS)
+        check_one_of("engine_core", self.engine_core, ENGINE_CORE_KINDS)
 
 
 def engine_args_from_kwargs(cls: type[EngineArgs], kwargs: dict[str, Any]) -> EngineArgs:
@@ -427,14 +396,8 @@ def engine_args_from_kwargs(cls: type[EngineArgs], kwargs: dict[str, Any]) -> En
     return cls(**kwargs)
 
 
-def _one_of(name: str, value: object, allowed: tuple, extra: str = "") -> None:
-    if value not in allowed:
-        raise ParameterError(f"{name} must be one of {allowed}{' ' + extra if extra else ''}, got {value!r}", name)
-
-
-def _positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ParameterError(f"{name} must be a positive int, got {value!r}", name)
+def _either(values: tuple | list) -> str:
+    return " or ".join(map(repr, values))
 
 
 def _flag(name: str) -> str:

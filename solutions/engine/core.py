@@ -67,7 +67,7 @@ class EngineCore:
         self.vllm_config = vllm_config
         self.model_executor = executor_class(vllm_config)
         self.structured_output_manager = StructuredOutputManager.from_config(vllm_config.model_config)
-        scheduler_cls = DataParallelScheduler if vllm_config.parallel_config.data_parallel_size > 1 else Scheduler
+        scheduler_cls = DataParallelScheduler if vllm_config.parallel_config.data_parallel else Scheduler
         self.scheduler = scheduler_cls.from_config(vllm_config, self.structured_output_manager)
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()  # the order requests came in: priority ties, unseeded seeds
@@ -119,7 +119,7 @@ class EngineCore:
         on this core's KV cache manager and model runner (`solutions/beam_search.py`). The core must be idle."""
         if self.has_unfinished_requests():
             raise ValueError("beam_search needs an idle engine: finish or abort the unfinished requests first")
-        if self.vllm_config.parallel_config.data_parallel_size > 1:
+        if self.vllm_config.parallel_config.data_parallel:
             raise ValueError("beam_search runs on one replica's runner in this process: use data_parallel_size=1")
         return run_beam_search(
             self.scheduler.kv_cache_manager, self.model_executor.model_runner, prompts, params,

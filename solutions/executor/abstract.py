@@ -33,7 +33,7 @@ class Executor:
     @staticmethod
     def get_class(vllm_config: VllmConfig) -> type["Executor"]:
         parallel = vllm_config.parallel_config
-        if parallel.data_parallel_size > 1:  # whole replicas in worker processes
+        if parallel.data_parallel:  # whole replicas in worker processes
             from solutions.executor.data_parallel_executor import DataParallelExecutor
 
             return DataParallelExecutor

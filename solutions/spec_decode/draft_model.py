@@ -37,7 +37,6 @@ import time
 import torch
 
 from solutions.attention.torch_backend import causal_context_attention
-from solutions.exceptions import ParameterError
 from solutions.model.llama import LlamaForCausalLM
 
 
@@ -109,14 +108,7 @@ class DraftModelProposer:
     """
 
     def __init__(self, model: LlamaForCausalLM, num_draft_layers: int, num_speculative_tokens: int) -> None:
-        num_layers = model.config.num_hidden_layers
-        for name, value, high in (
-            ("num_draft_layers", num_draft_layers, num_layers - 1),
-            ("num_speculative_tokens", num_speculative_tokens, None),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (high and value > high):
-                allowed = f"in [1, {high}] (the target has {num_layers} layers)" if high else ">= 1"
-                raise ParameterError(f"{name} must be an int {allowed}, got {value!r}", name)
+        """The values as `SpeculativeConfig` checked them: 1 <= num_draft_layers < the target's layers, k >= 1."""
         self.model, self.num_draft_layers, self.k = model, num_draft_layers, num_speculative_tokens
         self.layers = model.model.layers[:num_draft_layers]  # the target's own modules: shared weights
         self.caches: dict[int, DraftKVCache] = {}

@@ -21,24 +21,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from solutions.exceptions import ParameterError
 
 
 class NgramProposer:
     """Proposes up to `num_speculative_tokens` draft tokens from the context alone (vLLM's `method="ngram"`)."""
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, num_speculative_tokens: int) -> None:
-        for name, value in (
-            ("prompt_lookup_min", prompt_lookup_min), ("prompt_lookup_max", prompt_lookup_max),
-            ("num_speculative_tokens", num_speculative_tokens),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ParameterError(f"{name} must be an int >= 1, got {value!r}", name)
-        if prompt_lookup_max < prompt_lookup_min:
-            raise ParameterError(
-                f"prompt_lookup_max must be >= prompt_lookup_min ({prompt_lookup_min}), got {prompt_lookup_max}",
-                "prompt_lookup_max",
-            )
+        """The values as `SpeculativeConfig` checked them: 1 <= prompt_lookup_min <= prompt_lookup_max, k >= 1."""
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
         self.k = num_speculative_tokens

@@ -41,8 +41,7 @@ import time
 import torch
 
 from solutions.attention.paged import AttentionMetadata, KVCache, copy_blocks
-from solutions.attention.registry import ATTENTION_BACKENDS
-from solutions.attention.torch_backend import TorchAttentionBackend
+from solutions.attention.registry import get_attention_backend
 from solutions.config import SpeculativeConfig, VllmConfig
 from solutions.core.block_manager import slot_mapping
 from solutions.core.sched.output import DraftTokenIds, GrammarOutput, ModelRunnerOutput, SchedulerOutput, sampling_rows
@@ -157,10 +156,10 @@ class ModelRunner:
     """Owns the model and the paged KV cache (on the model's device, in its dtype); one `execute_model` call is
     one forward pass.
 
-    The forward pass is compiled (`self.compiled_forward`) unless `enforce_eager`: with the "inductor" backend on the
-    CPU, and with "triton" on a GPU. There, CUDA graphs of the compiled forward are captured for pure-decode steps
-    when the largest batch (`max_num_seqs`) and context (`max_model_len`) are given; `self.cuda_graphs` is None
-    otherwise.
+    The forward pass is compiled (`self.compiled_forward`) unless `enforce_eager`, on the devices the attention
+    backend's class names (`compiles_on`): with "inductor" on the CPU, with "triton" on a GPU. On a GPU, CUDA
+    graphs of the compiled forward are captured for pure-decode steps when the largest batch (`max_num_seqs`) and
+    context (`max_model_len`) are given; `self.cuda_graphs` is None otherwise.
     """
 
     def __init__(
@@ -168,8 +167,7 @@ class ModelRunner:
         enforce_eager: bool = False, max_num_seqs: int | None = None, max_model_len: int | None = None,
         speculative_config: SpeculativeConfig | None = None, num_swap_blocks: int = 0, num_offload_blocks: int = 0,
     ) -> None:
-        if attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
+        self.backend_cls = get_attention_backend(attention_backend)  # built once per step
         self.model, self.block_size = model, block_size
         # the sampling rows' logits, their sequences, the step's times, its prompt logprobs' logits and chunks, and
         # each sequence's drafts (None in a step without drafts)
@@ -192,32 +190,18 @@ class ModelRunner:
         self.block_table = BlockTable(block_size, max_num_seqs or 8, max_model_len or 256)
         self.cuda_graphs = None
         self.compiled_forward = None
-        if attention_backend == "inductor":
-            from solutions.attention.inductor_backend import InductorAttentionBackend  # compiles on first use
+        if self.device.type in self.backend_cls.compiles_on and not enforce_eager:
+            from solutions.worker.compiled_forward import CompiledForward
 
-            self.backend_cls = InductorAttentionBackend
-            if not enforce_eager:
-                from solutions.worker.compiled_forward import CompiledForward
+            self.compiled_forward = CompiledForward(model)  # on a GPU: about 10 kernels a layer in place of 44
+            self.warm_up()
+            if self.device.type == "cuda" and max_num_seqs and max_model_len:
+                from solutions.worker.cuda_graph import CUDAGraphRunner  # imports Triton: only when asked
 
-                self.compiled_forward = CompiledForward(model)
-                self.warm_up()
-        elif attention_backend == "triton":
-            from solutions.attention.triton_backend import TritonAttentionBackend  # imports Triton only when asked
-
-            self.backend_cls = TritonAttentionBackend
-            if self.device.type == "cuda" and not enforce_eager:
-                from solutions.worker.compiled_forward import CompiledForward
-                from solutions.worker.cuda_graph import CUDAGraphRunner
-
-                self.compiled_forward = CompiledForward(model)  # about 10 kernels a layer in place of 44 eagerly
-                self.warm_up()
-                if max_num_seqs and max_model_len:
-                    self.cuda_graphs = CUDAGraphRunner(
-                        model, self.kv_cache, max_num_seqs, max_model_len, block_size,
-                        compiled_forward=self.compiled_forward,
-                    )
-        else:
-            self.backend_cls = TorchAttentionBackend
+                self.cuda_graphs = CUDAGraphRunner(
+                    model, self.kv_cache, max_num_seqs, max_model_len, block_size,
+                    compiled_forward=self.compiled_forward,
+                )
 
     @classmethod
     def from_config(cls, model: LlamaForCausalLM, vllm_config: VllmConfig, **overrides: object) -> "ModelRunner":

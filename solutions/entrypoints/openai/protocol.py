@@ -53,6 +53,16 @@ class RequestError(ValueError):
 # ---- requests ----
 
 
+UNSUPPORTED = "x-unsupported-accepts"  # a field's mark, in its JSON schema too: the values it is accepted at
+
+
+def unsupported(*neutral: Any) -> Any:
+    """A request field of a feature this engine does not implement, declared once: accepted only at the `neutral`
+    values, which change nothing (the first is its default); any other is refused naming it
+    (`SamplingFields.refuse_unsupported`)."""
+    return Field(neutral[0], json_schema_extra={UNSUPPORTED: list(neutral)})
+
+
 class OpenAIRequest(BaseModel):
     """A request object: fields it does not declare are accepted and ignored, with a warning that names them."""
 
@@ -127,15 +137,15 @@ class SamplingFields(OpenAIRequest):
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None  # vLLM's extension: the top-k logprobs of every prompt token
     bad_words: list[str] | None = None  # words the output must not contain (as token sequences)
-    # known features without an engine behind them: see UNSUPPORTED_FIELDS
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    truncate_prompt_tokens: int | None = None
-    logprob_token_ids: list[int] | None = None
-    return_tokens_as_token_ids: bool | None = None
+    # known features without an engine behind them (`unsupported`): only the values that change nothing
+    use_beam_search: bool = unsupported(False)
+    length_penalty: float = unsupported(1.0)
+    include_stop_str_in_output: bool = unsupported(False)
+    skip_special_tokens: bool = unsupported(True)  # the detokenizer always skips them
+    spaces_between_special_tokens: bool = unsupported(True)
+    truncate_prompt_tokens: int | None = unsupported(None)
+    logprob_token_ids: list[int] | None = unsupported(None)
+    return_tokens_as_token_ids: bool | None = unsupported(None, False)
     # OpenAI's bookkeeping: who asked, and the caller's own tags; nothing to do with them here
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -145,17 +155,6 @@ class SamplingFields(OpenAIRequest):
         "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "logit_bias",
         "allowed_token_ids", "prompt_logprobs", "bad_words",
     )
-    # fields this engine does not implement -> the values that change nothing (the only ones accepted)
-    UNSUPPORTED_FIELDS: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "use_beam_search": (False,),
-        "length_penalty": (1.0,),
-        "include_stop_str_in_output": (False,),
-        "skip_special_tokens": (True,),  # the detokenizer always skips them
-        "spaces_between_special_tokens": (True,),
-        "truncate_prompt_tokens": (None,),
-        "logprob_token_ids": (None,),
-        "return_tokens_as_token_ids": (None, False),
-    }
 
     @field_validator("stream_options")
     @classmethod
@@ -174,9 +173,10 @@ class SamplingFields(OpenAIRequest):
     def refuse_unsupported(self) -> None:
         """RequestError naming the first field this engine does not implement that is set to a value that
         would change the result."""
-        for name, neutral in self.UNSUPPORTED_FIELDS.items():
+        for name, info in type(self).model_fields.items():
+            neutral = (info.json_schema_extra or {}).get(UNSUPPORTED)
             value = getattr(self, name)
-            if value not in neutral:
+            if neutral is not None and value not in neutral:
                 allowed = " or ".join(json.dumps(v) for v in neutral)
                 raise RequestError(
                     f"{name} is not supported by this server's engine: only {allowed} (which changes nothing) is "
@@ -293,12 +293,8 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None  # the top-k tokens' log-probabilities per generated (and echoed) token
     echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
-
-    UNSUPPORTED_FIELDS: ClassVar[dict[str, tuple[Any, ...]]] = {
-        **SamplingFields.UNSUPPORTED_FIELDS, "suffix": (None, ""), "best_of": (None, 1),
-    }
+    suffix: str | None = unsupported(None, "")
+    best_of: int | None = unsupported(None, 1)
 
     @property
     def echo_without_generation(self) -> bool:
@@ -391,12 +387,8 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None  # ...and the top-k tokens' (needs logprobs: true)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-
-    UNSUPPORTED_FIELDS: ClassVar[dict[str, tuple[Any, ...]]] = {
-        **SamplingFields.UNSUPPORTED_FIELDS, "tools": (None, []), "tool_choice": (None, "none", "auto"),
-    }
+    tools: list[dict[str, Any]] | None = unsupported(None, [])
+    tool_choice: str | dict[str, Any] | None = unsupported(None, "none", "auto")
 
     @field_validator("top_logprobs")
     @classmethod
