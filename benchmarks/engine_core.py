@@ -5,6 +5,7 @@
     python -m benchmarks.engine_core --json     # one JSON object (the table's figures)
     python -m benchmarks.engine_core --threads 1   # torch intra-op threads, here and in the core's process
     python -m benchmarks.engine_core --host-time   # host time per decode step against the context length
+    python -m benchmarks.engine_core --step-bytes  # bytes and ms of a decode step's message to a worker
 
 The same seeded workload (SmolLM2-135M, fp32 on this machine's cores; prompts of random token ids, greedy,
 EOS ignored, every request present at once) through three paths, one after the other:
@@ -26,6 +27,12 @@ the contexts (a block table or a token list rebuilt every step)? 64 decoding seq
 (2 layers of 64 wide: the model costs little, so the host's share shows) at each context length, the step ledger's
 median ms per stage over 20 decode steps (`SchedulerStats.seconds`), `host` = schedule + prepare inputs +
 postprocess, and the block-table entries the model runner wrote per step (`BlockTable.num_block_writes`).
+
+`--step-bytes`: what one decode step costs to send to a worker process (a tensor-parallel rank, or a data-parallel
+replica, which also gets its drawing sequences' generator states): 64 sequences of 1,000 prompt tokens through a
+real scheduler (no model, each sampling row given one token), 20 decode steps. `whole` sends every sequence whole
+each step (a fresh `StepEncoder`: what a worker cost before it kept its requests), `delta` what it sends now; per
+step, the pickled bytes and the milliseconds to encode, pickle, unpickle and apply them (median of the steps).
 """
 
 import argparse
@@ -206,6 +213,62 @@ def print_host_time(rows: list[dict], num_seqs: int) -> None:
         print(" | ".join(f"{c:>11}" for c in cells))
 
 
+def step_message_costs(
+    num_seqs: int = 64, context_len: int = 1000, num_steps: int = 20, temperature: float = 0.0
+) -> dict[str, dict[str, float]]:
+    """Median bytes and ms per decode step of each way of telling a worker its step (see `--step-bytes`)."""
+    import pickle
+
+    from solutions import SamplingParams
+    from solutions.core.kv_cache_manager import KVCacheManager
+    from solutions.core.sched.output import ModelRunnerOutput, sampling_rows
+    from solutions.core.sched.scheduler import Scheduler
+    from solutions.core.sequence import Sequence
+    from solutions.worker.cached_requests import CachedRequests, StepEncoder
+
+    block_size, generators = 16, temperature > 0
+    scheduler = Scheduler(KVCacheManager(num_seqs * (context_len // block_size + 4), block_size), max_num_seqs=num_seqs,
+                          max_num_batched_tokens=num_seqs * context_len, long_prefill_token_threshold=context_len,
+                          max_model_len=context_len + num_steps + 2)
+    for i in range(num_seqs):
+        seq = Sequence(i, [(7 * i + j) % 250 + 3 for j in range(context_len)])
+        seq.request_id = f"r{i}"
+        seq.sampling_params = SamplingParams(temperature=temperature, max_tokens=num_steps + 2, ignore_eos=True)
+        seq.generator = torch.Generator().manual_seed(i)
+        scheduler.add_request(seq)
+    encoder, worker = StepEncoder(block_size), CachedRequests()
+    costs: dict[str, dict[str, list[float]]] = {way: {"bytes": [], "ms": []} for way in ("whole", "delta")}
+    for step in range(num_steps + 1):
+        out = scheduler.schedule()
+        for way in ("whole", "delta"):
+            start = time.perf_counter()
+            if way == "whole":
+                pickle.loads(StepEncoder(block_size).message(out, generators))
+            else:
+                message = encoder.message(out, generators)
+                worker.apply(pickle.loads(message))
+            if step:  # the first step prefills: every sequence is new to the worker either way
+                costs[way]["ms"].append(1e3 * (time.perf_counter() - start))
+                costs[way]["bytes"].append(len(StepEncoder(block_size).message(out, generators)) if way == "whole"
+                                           else len(message))
+        _, seqs = sampling_rows(out)
+        scheduler.update_from_output(out, ModelRunnerOutput([s.seq_id for s in seqs], [[7]] * len(seqs),
+                                                            [None] * len(seqs)))
+    return {way: {k: statistics.median(v) for k, v in c.items()} for way, c in costs.items()}
+
+
+def print_step_bytes() -> None:
+    print(f"a decode step's message to a worker, 64 sequences x 1,000 tokens; {threads_note(None)}")
+    print(" | ".join(f"{h:>14}" for h in ("worker", "whole bytes", "delta bytes", "x less", "whole ms", "delta ms",
+                                          "x less")))
+    for worker, temperature in (("TP rank", 0.0), ("DP, greedy", 0.0), ("DP, sampling", 1.0)):
+        c = step_message_costs(temperature=temperature)
+        whole, delta = c["whole"], c["delta"]
+        cells = [worker, f"{whole['bytes']:.0f}", f"{delta['bytes']:.0f}", f"{whole['bytes'] / delta['bytes']:.1f}",
+                 f"{whole['ms']:.2f}", f"{delta['ms']:.2f}", f"{whole['ms'] / delta['ms']:.1f}"]
+        print(" | ".join(f"{cell:>14}" for cell in cells))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="8 requests, 16 output tokens")
@@ -214,7 +277,12 @@ def main() -> None:
                         help="torch threads for every path, fixed (default: the engine's thread policy)")
     parser.add_argument("--host-time", action="store_true",
                         help="host time per decode step of 64 sequences at several context lengths (tiny model)")
+    parser.add_argument("--step-bytes", action="store_true",
+                        help="bytes and ms of a decode step's message to a worker, whole against deltas")
     args = parser.parse_args()
+    if args.step_bytes:
+        print_step_bytes()
+        return
     if args.threads is not None:  # fixed: the engines' thread policy would otherwise choose per step
         ENGINE_ARGS["cpu_threads"] = args.threads
         torch.set_num_threads(args.threads)

@@ -44,6 +44,7 @@ from solutions.executor.worker_proc import (
     start_workers,
 )
 from solutions.model.loader import load_model
+from solutions.worker.cached_requests import load_state
 from solutions.worker.model_runner import ModelRunner
 
 STEP_TIMEOUT_SECONDS = 600.0  # a replica silent for this long after being sent its step is taken for dead
@@ -132,7 +133,7 @@ class DataParallelExecutor(Executor):
                 part, _ = self.in_flight.pop(replica)
                 seqs = {seq.seq_id: seq for seq in sampling_rows(part)[1]}
                 for seq_id, state in states.items():
-                    seqs[seq_id].generator.set_state(state)
+                    load_state(seqs[seq_id].generator, state)
                 merged.replica_outputs[replica] = output
         return merged
 

@@ -33,6 +33,17 @@ from solutions.core.sequence import Sequence, SequenceStatus
 from solutions.sampling_params import SamplingParams
 
 
+def state_bytes(generator: torch.Generator) -> bytes:
+    """A generator's state as plain bytes: pickled as a tensor, `multiprocessing` would put each of them in a
+    shared-memory segment of its own, which costs more than the 5 KB it holds."""
+    return generator.get_state().numpy().tobytes()
+
+
+def load_state(generator: torch.Generator, state: bytes) -> torch.Generator:
+    """`generator`, set in place to resume from `state_bytes`'s bytes."""
+    return generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+
+
 @dataclass(slots=True)
 class NewRequestData:
     """A sequence the worker does not hold: all of it that the runner reads."""
@@ -68,7 +79,7 @@ class StepDelta:
     batch_order: list[int] = field(default_factory=list)  # seq_ids, the step's order
     forks: list[tuple[int, list[int]]] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)
-    generator_states: dict[int, torch.Tensor] = field(default_factory=dict)
+    generator_states: dict[int, bytes] = field(default_factory=dict)
 
 
 class StepEncoder:
@@ -105,9 +116,8 @@ class StepEncoder:
             delta.forks.append((parent_id, [child.seq_id for child in children]))
             self.sent.update((child.seq_id, (child, child.num_tokens)) for child in children)
         if generators:
-            delta.generator_states = {
-                seq.seq_id: seq.generator.get_state() for seq in sampling_rows(out)[1] if not seq.sampling_params.greedy
-            }
+            drawing = [seq for seq in sampling_rows(out)[1] if not seq.sampling_params.greedy]
+            delta.generator_states = {seq.seq_id: state_bytes(seq.generator) for seq in drawing}
         return delta
 
     def message(self, out: SchedulerOutput, generators: bool = False) -> bytes:
@@ -148,9 +158,9 @@ class CachedRequests:
                 children.append(child)
             out.forked_seqs[parent_id] = children
         for seq_id, state in delta.generator_states.items():
-            self.seqs[seq_id].generator = torch.Generator().set_state(state)
+            self.seqs[seq_id].generator = load_state(torch.Generator(), state)
         return out
 
-    def generator_states(self, seq_ids: list[int]) -> dict[int, torch.Tensor]:
+    def generator_states(self, seq_ids: list[int]) -> dict[int, bytes]:
         """The states of these sequences' generators after a step that drew from them (to send back)."""
-        return {seq_id: self.seqs[seq_id].generator.get_state() for seq_id in seq_ids}
+        return {seq_id: state_bytes(self.seqs[seq_id].generator) for seq_id in seq_ids}
