@@ -164,7 +164,8 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         check_one_of(f"{self.OPTION}['method']", self.method, tuple(self.METHOD_FIELDS), parameter=self.OPTION)
         own = self.method_keys(self.method)
-        self._refuse_keys([key for key in self.method_keys(None) if key not in own and getattr(self, key) is not None])
+        other = [key for key in self.method_keys(None) if key not in own and getattr(self, key) is not None]
+        self.refuse_keys(self.method, other)
         for key in own[1:]:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -189,13 +190,14 @@ class SpeculativeConfig:
         if not isinstance(options, dict):
             raise ParameterError(f"{cls.OPTION} must be a dict (or None), got {type(options).__name__}", cls.OPTION)
         values = {f.name: options.get(f.name) for f in fields(cls)}
+        if values["method"] in cls.METHOD_FIELDS:  # else the constructor names the method's allowed values
+            cls.refuse_keys(values["method"], sorted(set(options) - set(values)))
         if values["method"] == "ngram":
             lookup_min, lookup_max = values["prompt_lookup_min"], values["prompt_lookup_max"]
             lookup_min = lookup_min if lookup_min is not None else lookup_max if lookup_max is not None else 5
             lookup_max = lookup_max if lookup_max is not None else lookup_min
             values.update(prompt_lookup_min=lookup_min, prompt_lookup_max=lookup_max)
         config = cls(**values)
-        config._refuse_keys(sorted(set(options) - set(values)))
         if num_hidden_layers is not None and config.num_draft_layers is not None and (
             config.num_draft_layers >= num_hidden_layers
         ):
@@ -205,11 +207,13 @@ class SpeculativeConfig:
             )
         return config
 
-    def _refuse_keys(self, unknown: list[str]) -> None:
+    @classmethod
+    def refuse_keys(cls, method: str, unknown: list[str]) -> None:
+        """Keys given that `method` does not read are a mistake (a misspelling, another method's key)."""
         if unknown:
             raise ParameterError(
-                f"{self.OPTION} has unknown keys {unknown} for method {self.method!r}; its keys are "
-                f"{self.method_keys(self.method)}", self.OPTION,
+                f"{cls.OPTION} has unknown keys {unknown} for method {method!r}; its keys are "
+                f"{cls.method_keys(method)}", cls.OPTION,
             )
 
 

@@ -23,7 +23,7 @@ from solutions.core.data_parallel_kv_cache_manager import DataParallelKVCacheMan
 from solutions.core.kv_cache_manager import KVCacheManager
 from solutions.core.sched import data_parallel_scheduler as dp_scheduler_module
 from solutions.core.sched import placement as placement_module
-from solutions.core.sched.data_parallel_scheduler import DataParallelScheduler
+from solutions.core.sched.data_parallel_scheduler import DataParallelModelRunnerOutput, DataParallelScheduler
 from solutions.core.sched.output import ModelRunnerOutput, SchedulerOutput, sampling_rows
 from solutions.core.sched.placement import PrefixAwarePolicy, ReplicaState
 from solutions.core.sched.request_queue import SchedulingPolicy
@@ -280,9 +280,11 @@ def hand_built(num_replicas: int = 2, num_blocks: int = 16, num_swap_blocks: int
 def run_step(scheduler: DataParallelScheduler) -> None:
     """One step, every sampling sequence given token 7 (the scheduler's side of a step, without a model)."""
     out = scheduler.schedule()
-    _, seqs = sampling_rows(out)
-    sampled = ModelRunnerOutput([s.seq_id for s in seqs], [[7] for _ in seqs], [None] * len(seqs))
-    scheduler.update_from_output(out, sampled)
+    sampled = {}
+    for replica, part in out.replica_outputs.items():
+        _, seqs = sampling_rows(part)
+        sampled[replica] = ModelRunnerOutput([s.seq_id for s in seqs], [[7] for _ in seqs], [None] * len(seqs))
+    scheduler.update_from_output(out, DataParallelModelRunnerOutput(sampled))
 
 
 def run_to_the_end(scheduler: DataParallelScheduler, seqs: list[Sequence], dead: int, inputs: str) -> None:
