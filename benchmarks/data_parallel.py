@@ -3,6 +3,7 @@
     python -m benchmarks.data_parallel                 # every policy at DP=2, DP=1 beside it, 3 repeats
     python -m benchmarks.data_parallel --quick         # fewer conversations and turns, 1 repeat
     python -m benchmarks.data_parallel --json
+    python -m benchmarks.data_parallel --itl           # a decoding replica's ITL beside the other's long prefill
 
 The workload is a chat service: `--conversations` conversations, each under one of `--system-prompts` system prompts
 (shared by many conversations), each `--turns` turns long. A turn's prompt is the system prompt, every earlier
@@ -24,6 +25,11 @@ Rows, all on the same workload in the same run:
 Per row: the prefix-cache hit rate at admission (prompt tokens found cached / prompt tokens), the prompt tokens
 computed, TTFT p50/p99 (submission to first token), and output tokens per second of the whole run; median and
 spread (min-max) over repeats, the policies' order alternating between repeats.
+
+`--itl` asks whether replicas step on their own. At DP=2 (round-robin), one request decodes `--itl-decode-tokens`
+tokens on replica 0; after its first `ITL_WARM_TOKENS` tokens, a `--itl-prefill-len`-token prompt goes to replica 1
+(or, in the baseline row, a 16-token one). Per row: the decoding request's inter-token latency p50/p99 from then on,
+and the other request's TTFT. A replica that waited for the other's step would show the prefill in its p99.
 
 Where this lives in vLLM: `vllm/v1/engine/core_client.py` (`DPLBAsyncMPClient`, which balances by queue lengths
 and does not see what each rank caches); SGLang's `sgl-router` (cache-aware policy over approximate text trees).
@@ -133,6 +139,73 @@ def engine_args(dp: int, policy: str | None, blocks_per_replica: int, max_model_
     return AsyncEngineArgs(**options)
 
 
+ITL_WARM_TOKENS = 8  # the decoder's tokens before the other request arrives
+
+
+async def itl_beside(llm: AsyncLLM, other_prompt_len: int, decode_tokens: int, seed: int) -> dict:
+    """One decoding request (placed first: replica 0) and, once it streams, another (replica 1) of
+    `other_prompt_len` tokens and one output token; the decoder's gaps after the other arrived."""
+    rng = np.random.default_rng(seed)
+    vocab_size = llm.tokenizer.vocab_size
+    decode_params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
+    other_params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    arrived, token_times, marks, other_ttft = asyncio.Event(), [], [], []
+
+    async def decoder() -> None:
+        async for output in llm.generate(random_tokens(rng, 32, vocab_size), decode_params, f"decode-{seed}"):
+            token_times.extend([time.perf_counter()] * len(output.outputs[0].token_ids))
+            if len(token_times) >= ITL_WARM_TOKENS:
+                arrived.set()
+
+    async def other() -> None:
+        await arrived.wait()
+        start = time.perf_counter()
+        marks.append(start)
+        async for _ in llm.generate(random_tokens(rng, other_prompt_len, vocab_size), other_params, f"other-{seed}"):
+            other_ttft.append(time.perf_counter() - start)
+
+    await asyncio.wait_for(asyncio.gather(decoder(), other()), timeout=600)
+    gaps = 1000 * np.array([b - a for a, b in zip(token_times, token_times[1:]) if b > marks[0]])
+    return {"itl_p50_ms": float(np.percentile(gaps, 50)), "itl_p99_ms": float(np.percentile(gaps, 99)),
+            "itl_max_ms": float(gaps.max()), "other_ttft_ms": 1000 * other_ttft[0]}
+
+
+async def itl_main_async(args: argparse.Namespace) -> dict:
+    max_model_len = max(args.itl_prefill_len, 32 + args.itl_decode_tokens) + 16
+    rows = {"decode beside a 16-token prompt": 16, f"decode beside a {args.itl_prefill_len}-token prefill":
+            args.itl_prefill_len}
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
+        model=MODEL, block_size=BLOCK_SIZE, max_model_len=max_model_len, seed=0, engine_core="thread",
+        data_parallel_size=2, data_parallel_placement="round_robin"))
+    runs: dict[str, list[dict]] = {name: [] for name in rows}
+    try:
+        for repeat in range(args.repeats):
+            for name, length in (rows.items() if repeat % 2 == 0 else reversed(rows.items())):
+                run = await itl_beside(llm, length, args.itl_decode_tokens, seed=args.seed + repeat)
+                runs[name].append(run)
+                print(f"repeat {repeat + 1}: {name:36} ITL p50 {run['itl_p50_ms']:.1f} ms  p99 "
+                      f"{run['itl_p99_ms']:.1f} ms  other's TTFT {run['other_ttft_ms']:.0f} ms", flush=True)
+    finally:
+        llm.shutdown()
+    options = {key: value for key, value in vars(args).items() if key != "save"}
+    return {"workload": options, "rows": {name: summarize(r) for name, r in runs.items()},
+            **measured_on("benchmarks.data_parallel --itl")}
+
+
+def print_itl_table(result: dict) -> None:
+    w = result["workload"]
+    print(f"\n{result['machine']}, {result['date']}; SmolLM2-135M fp32, DP=2 round-robin; one request decoding "
+          f"{w['itl_decode_tokens']} tokens on replica 0; {w['repeats']} repeats, median (min-max)")
+    names = list(result["rows"])
+    print(f"{'row':40} {'ITL p50 ms':>18} {'ITL p99 ms':>18} {'ITL max ms':>18} {'other TTFT ms':>20}")
+    for name in names:
+        row = result["rows"][name]
+        cells = [f"{row[k]['median']:.1f} ({row[k]['min']:.1f}-{row[k]['max']:.1f})" for k in row]
+        print(f"{name:40} {cells[0]:>18} {cells[1]:>18} {cells[2]:>18} {cells[3]:>20}")
+    base, loaded = (result["rows"][name]["itl_p99_ms"]["median"] for name in names)
+    print(f"ITL p99 beside the prefill / beside the short prompt: {loaded / base:.2f}x")
+
+
 def summarize(runs: list[dict]) -> dict:
     return {key: {"median": statistics.median(r[key] for r in runs), "min": min(r[key] for r in runs),
                   "max": max(r[key] for r in runs)} for key in runs[0]}
@@ -193,12 +266,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pool-share", type=float, default=0.5, help="a replica's pool / the working set")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--itl", action="store_true", help="the ITL of a replica beside the other's long prefill")
+    parser.add_argument("--itl-prefill-len", type=int, default=2048, help="--itl: the other replica's prompt")
+    parser.add_argument("--itl-decode-tokens", type=int, default=128, help="--itl: the decoding request's tokens")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--save", type=Path, help="also write the JSON object to this file")
     args = parser.parse_args(argv)
     if args.quick:
         args.conversations, args.turns, args.repeats = 8, 3, 1
-    for name in ("conversations", "turns", "system_prompts", "system_len", "max_tokens", "repeats"):
+    for name in ("conversations", "turns", "system_prompts", "system_len", "max_tokens", "repeats", "itl_prefill_len",
+                 "itl_decode_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if not 0 < args.pool_share:
@@ -208,13 +285,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    result = asyncio.run(main_async(args))
+    result = asyncio.run(itl_main_async(args) if args.itl else main_async(args))
     if args.save:
         args.save.write_text(json.dumps(result, indent=2))
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print_table(result)
+        (print_itl_table if args.itl else print_table)(result)
 
 
 if __name__ == "__main__":
