@@ -31,7 +31,7 @@ from solutions.core.kv_cache_manager import KVCacheManager
 from solutions.core.sched.output import SchedulerOutput
 from solutions.core.sched.scheduler import advance_computed_tokens
 from solutions.core.sequence import Sequence
-from solutions.kv_offload.swap import num_group_blocks, swap_in, swap_out
+from solutions.kv_offload.swap import num_group_blocks
 from solutions.outputs import FinishReason
 from solutions.utils.math_utils import cdiv
 
@@ -160,17 +160,17 @@ def _swap_beam_groups(
     def room() -> int:  # free device blocks left once the beams on the device have stepped
         return manager.num_free_blocks - sum(blocks_needed(p) for p in on_device)
 
-    swap_pool = manager.swap_pool
     on_device = [p for p in active if p not in swapped]
     while swapped and (not on_device or room() >= num_group_blocks(group(swapped[0])) + len(live[swapped[0]])):
         p = swapped.pop(0)  # with nothing on the device it comes back anyway: if it cannot fit, the allocation says so
-        scheduler_output.blocks_to_swap_in += swap_in(swap_pool, manager.block_pool, group(p))
+        scheduler_output.blocks_to_swap_in += manager.swap_in(group(p))
         on_device.append(p)
     if scheduler_output.blocks_to_swap_in:
         return  # as the scheduler: no swap-out in a step that swaps in
-    while room() < 0 and len(on_device) > 1 and num_group_blocks(group(on_device[-1])) <= swap_pool.num_free_blocks:
+    host = manager.swap_pool
+    while room() < 0 and len(on_device) > 1 and num_group_blocks(group(on_device[-1])) <= host.num_free_blocks:
         p = on_device.pop()
-        scheduler_output.blocks_to_swap_out += swap_out(manager.block_pool, swap_pool, group(p))
+        scheduler_output.blocks_to_swap_out += manager.swap_out(group(p))
         swapped.append(p)
 
 
@@ -256,9 +256,7 @@ def run_beam_search(
         for p, beams in enumerate(live):
             for beam in beams:
                 if p in swapped:
-                    swap_pool = manager.swap_pool
-                    swap_pool.free_blocks(swap_pool.blocks[b] for b in reversed(beam.seq.block_table))
-                    beam.seq.block_table.clear()
+                    manager.free_swapped(beam.seq)
                 else:
                     manager.free(beam.seq)
     results = []

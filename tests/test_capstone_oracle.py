@@ -36,7 +36,7 @@ def test_reference_engine_reproduces_the_oracle():
 
 def test_swap_in_replaces_and_restores_every_site():
     from solutions.core.sched import scheduler as scheduler_module
-    from solutions.engine import core  # the engine core builds its scheduler: `Scheduler.from_config`
+    from solutions.core.sched import swapping_scheduler  # the engine core's scheduler class: `scheduler_cls`
 
     reference = {"Scheduler": scheduler_module.Scheduler}
 
@@ -44,9 +44,9 @@ def test_swap_in_replaces_and_restores_every_site():
         pass
 
     with capstone.swap_in({"Scheduler": Mine}, reference) as mine:
-        assert issubclass(core.Scheduler, Mine) and issubclass(scheduler_module.Scheduler, Mine)
+        assert issubclass(swapping_scheduler.Scheduler, Mine) and issubclass(scheduler_module.Scheduler, Mine)
         assert issubclass(mine.Scheduler, Mine)
-    assert core.Scheduler is reference["Scheduler"] and scheduler_module.Scheduler is reference["Scheduler"]
+    assert swapping_scheduler.Scheduler is reference["Scheduler"] and scheduler_module.Scheduler is reference["Scheduler"]
 
 
 def test_swap_in_names_a_missing_exercise():

@@ -126,3 +126,64 @@ def test_a_decode_step_sends_a_worker_its_changes_not_its_contexts():
         assert long[step] <= 1.05 * short[step], f"step {step}: {short[step]} B at 250 tokens, {long[step]} B at 1000"
         assert long[step] * 10 <= long[0], f"decode step {step}: {long[step]} B, the prefill's {long[0]} B"
         assert long[step] <= 64 * 150, f"decode step {step}: {long[step] / 64:.0f} B per sequence"
+
+
+def functions_in(paths: list[Path]) -> dict[str, ast.FunctionDef]:
+    """'<file>:<function>' -> its AST, for every function and method defined in `paths`."""
+    return {
+        f"{path.relative_to(SOLUTIONS.parent)}:{node.name}": node
+        for path in paths for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef)
+    }
+
+
+def reads_running_order(function: ast.FunctionDef) -> bool:
+    """Does `function` pick a sequence out of a `running` list by a fixed place or by a key (`running[-1]`,
+    `max(...running...)`, `min(...running...)`)? That is a victim rule (walking it, `running[index]`, is not)."""
+    for node in ast.walk(function):
+        if (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "running"
+                and isinstance(node.slice, ast.Constant | ast.UnaryOp)):
+            return True
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("max", "min")
+                and any(isinstance(arg, ast.Attribute) and arg.attr == "running" for arg in node.args)):
+            return True
+    return False
+
+
+def test_one_victim_rule_for_both_ways_of_preempting():
+    """Recompute (`allocate_or_preempt`) and swap (`select_preemption`, and the loop around it) take their victim
+    from `select_victim`: no other function of the scheduler picks a running sequence by its place or its key."""
+    functions = functions_in(sorted((SOLUTIONS / "core" / "sched").glob("*.py")))
+    rules = sorted(name for name, function in functions.items() if reads_running_order(function))
+    assert rules == ["solutions/core/sched/scheduler.py:select_victim"], f"victim rules written here: {rules}"
+    for name in ("scheduler.py:allocate_or_preempt", "swapping_scheduler.py:select_preemption"):
+        function = functions[f"solutions/core/sched/{name}"]
+        calls = {node.func.id for node in ast.walk(function) if isinstance(node, ast.Call)
+                 and isinstance(node.func, ast.Name)}
+        assert "select_victim" in calls, f"{name} does not ask select_victim for its victim"
+
+
+def test_a_victim_rule_written_twice_is_caught():
+    """The check can fail: a copy of the FCFS rule in another function is a second victim rule."""
+    copy = ast.parse("def pick(scheduler):\n    return scheduler.running[-1]\n").body[0]
+    assert reads_running_order(copy)
+    keyed = ast.parse("def pick(s):\n    return max(s.running, key=lambda q: q.priority)\n").body[0]
+    assert reads_running_order(keyed)
+    assert not reads_running_order(ast.parse("def f(s):\n    return len(s.running), s.running[i]\n").body[0])
+
+
+def test_host_blocks_are_freed_only_by_the_kv_cache_manager():
+    """The swap pool's blocks are taken and freed by `KVCacheManager` alone (`swap_out`, `swap_in`,
+    `free_swapped`): no scheduler, beam search or other module calls a method of `swap_pool` but to read it."""
+    found = []
+    for path in sorted(SOLUTIONS.rglob("*.py")):
+        if path == SOLUTIONS / "core" / "kv_cache_manager.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "swap_pool"):
+                found.append(f"{path.relative_to(SOLUTIONS.parent)}:{node.lineno} calls swap_pool.{node.func.attr}")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("swap_in", "swap_out"):
+                found.append(f"{path.relative_to(SOLUTIONS.parent)}:{node.lineno} calls {node.func.id} on the pools")
+    found = [line for line in found if not line.startswith("solutions/kv_offload/swap.py")]
+    assert not found, "host blocks moved or freed outside the KV cache manager:\n" + "\n".join(found)

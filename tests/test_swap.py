@@ -24,7 +24,7 @@ from solutions.attention.paged import KVCache
 from solutions.core.block_pool import BlockPool
 from solutions.core.kv_cache_manager import KVCacheManager
 from solutions.core.sched.output import SchedulerOutput
-from solutions.core.sched.scheduler import Scheduler
+from solutions.core.sched.swapping_scheduler import SwappingScheduler
 from solutions.core.sequence import Sequence, SequenceStatus
 from solutions.kv_offload.swap import num_group_blocks, swap_in, swap_out
 from solutions.kv_offload.transfer import KVTransfer, swap_blocks
@@ -227,7 +227,7 @@ def test_a_swapped_out_sequences_blocks_join_the_free_queue_last_block_first_and
 def test_preempting_a_group_by_recompute_queues_all_of_it_first_in_running_order():
     manager = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE, enable_prefix_caching=False)
     manager.enable_swapping(2)
-    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=64)
+    scheduler = SwappingScheduler(manager, max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=64)
     group = forked_group(manager)
     waiting = Sequence(9, [1, 2, 3])
     scheduler.add_seq(waiting)
@@ -427,10 +427,10 @@ def test_finishing_a_swapped_sequence_frees_its_host_blocks():
     """The scheduler's `finish` of a SWAPPED sequence: host references dropped, the group shrinks, then goes."""
     manager = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE, enable_prefix_caching=False)
     manager.enable_swapping(8)
-    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=64,
-                          max_model_len=128)
+    scheduler = SwappingScheduler(manager, max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=64,
+                                   max_model_len=128)
     group = forked_group(manager)
-    swap_out(manager.block_pool, manager.swap_pool, group)
+    manager.swap_out(group)
     for seq in group:
         seq.status = SequenceStatus.SWAPPED
     scheduler.swapped.append(group)
@@ -502,7 +502,7 @@ def test_a_group_member_already_in_the_batch_is_swapped_out_from_the_block_its_c
     batch, its copy is dropped, so D was never written: P's swap-out must read S."""
     manager = KVCacheManager(num_blocks=6, block_size=4)
     manager.enable_swapping(16)
-    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=64)
+    scheduler = SwappingScheduler(manager, max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=64)
 
     def running(seq_id: int, num_tokens: int, request_id: str) -> Sequence:
         seq = Sequence(seq_id, list(range(1, num_tokens + 1)))

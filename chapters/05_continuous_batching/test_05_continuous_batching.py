@@ -36,6 +36,7 @@ from solutions.worker import model_runner
 
 REFERENCE = {
     "Scheduler": scheduler_module.Scheduler,
+    "select_victim": scheduler_module.select_victim,
     "allocate_or_preempt": scheduler_module.allocate_or_preempt,
     "prepare_inputs": model_runner.prepare_inputs,
     "sampling_rows": output_module.sampling_rows,
@@ -53,9 +54,13 @@ DECISIVE = {
         'index = self.running.index(seq) + 1',
         'num_new_tokens = min(num_behind + len(seq.spec_token_ids), budget, self.long_prefill_token_threshold)',
     ],
+    "select_victim": [
+        'return scheduler.running[-1]',
+        'return max(scheduler.running, key=lambda s: (s.priority, s.arrival, s.seq_id))',
+    ],
     "allocate_or_preempt": [
-        'victim = scheduler.running[-1]',
-        'victim = max(scheduler.running, key=lambda s: (s.priority, s.arrival, s.seq_id))',
+        'while (seq_copies := scheduler.kv_cache_manager.allocate_slots(seq, num_new_tokens)) is None:',
+        'if victim in out.scheduled_seqs:',
         'if victim is seq:',
     ],
     "prepare_inputs": [
@@ -428,6 +433,67 @@ def test_schedule_resumes_without_a_prefix_cache_from_scratch(impl):
                  inputs=f"{inputs}; (decode, prefill) of step 2")
 
 
+# --- select_victim -----------------------------------------------------------------------------------------------
+
+
+def victim_set(policy: str, specs: list[tuple[int, int, int]], waiting: list[tuple[int, int, int]] = ()):
+    """A scheduler whose running list holds, in the order given (the order they started), sequences
+    (seq_id, priority, arrival), and whose waiting queue holds `waiting`; with a description."""
+    sched = make_scheduler(scheduler_module.Scheduler, policy=policy)
+    for seq_id, priority, arrival in specs:
+        sched.add_running(Sequence(seq_id, [1, 2, 3], priority=priority, arrival=arrival))
+    for seq_id, priority, arrival in waiting:
+        sched.add_seq(Sequence(seq_id, [1, 2, 3], priority=priority, arrival=arrival))
+    inputs = (f"policy {policy.upper()}; running, in the order they started, as (seq_id, priority, arrival): {specs}"
+              + (f"; waiting: {list(waiting)}" if waiting else ""))
+    return sched, inputs
+
+
+def call_select_victim(impl, sched, inputs) -> int | None:
+    with exercising("select_victim", inputs):
+        victim = impl.select_victim(sched)
+    if not isinstance(victim, Sequence):
+        raise AssertionError(f"on input {inputs}: expected a running Sequence, got {victim!r:.100}")
+    return victim.seq_id
+
+
+@pytest.mark.exercise("select_victim")
+def test_select_victim_fcfs_takes_the_last_to_start_running(impl):
+    sched, inputs = victim_set("fcfs", [(0, 0, 1), (1, 0, 2), (2, 0, 0)])
+    expect_equal(call_select_victim(impl, sched, inputs), 2,
+                 inputs=f"{inputs}; the victim's seq_id (id 2 arrived first but started running last, after a "
+                 "preemption)")
+
+
+@pytest.mark.exercise("select_victim")
+def test_select_victim_priority_takes_the_largest_priority_value(impl):
+    sched, inputs = victim_set("priority", [(0, 0, 0), (1, 5, 1), (2, 1, 2)])
+    expect_equal(call_select_victim(impl, sched, inputs), 1,
+                 inputs=f"{inputs}; the victim's seq_id (a smaller priority value is more important)")
+
+
+@pytest.mark.exercise("select_victim")
+def test_select_victim_priority_ties_go_to_the_latest_arrival(impl):
+    sched, inputs = victim_set("priority", [(0, 0, 0), (2, 3, 2), (1, 3, 1)])
+    expect_equal(call_select_victim(impl, sched, inputs), 2, inputs=f"{inputs}; the victim's seq_id")
+
+
+@pytest.mark.exercise("select_victim")
+def test_select_victim_priority_full_ties_go_to_the_larger_seq_id(impl):
+    sched, inputs = victim_set("priority", [(4, 3, 1), (7, 3, 1), (2, 0, 0)])
+    expect_equal(call_select_victim(impl, sched, inputs), 7,
+                 inputs=f"{inputs}; the victim's seq_id (equal in priority and arrival: the larger seq_id, as the "
+                 "question states)")
+
+
+@pytest.mark.exercise("select_victim")
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_select_victim_is_a_running_sequence(impl, policy):
+    sched, inputs = victim_set(policy, [(0, 0, 0), (1, 1, 1)], waiting=[(5, 9, 5)])
+    expect_equal(call_select_victim(impl, sched, inputs), 1,
+                 inputs=f"{inputs}; the victim's seq_id (the waiting id 5 holds no blocks to give back)")
+
+
 # --- allocate_or_preempt -----------------------------------------------------------------------------------------
 
 
@@ -535,21 +601,6 @@ def test_allocate_or_preempt_takes_a_scheduled_victim_out_of_the_batch(impl):
     expect_equal((out.num_prefill_tokens, out.num_decode_tokens), (0, 0),
                  inputs=f"{inputs}; the batch's (prefill, decode) tokens")
     expect_equal(sched.kv_cache_manager.num_free_blocks, 1, inputs=f"{inputs}; free blocks")
-
-
-@pytest.mark.exercise("allocate_or_preempt")
-def test_allocate_or_preempt_priority_ties_go_to_the_latest_arrival(impl):
-    inputs = ("PRIORITY, 6 blocks of 4, none free; running: id 0 (priority 0), ids 1 and 2 (priority 3, arrivals 1 "
-              "and 2), each 8 tokens computed and a 9th to compute; room for id 0's 9th token")
-    sched = make_scheduler(scheduler_module.Scheduler, num_blocks=6, policy="priority")
-    seqs = [decoding_seq(sched, i, 6, 3) for i in range(3)]
-    for seq, priority in zip(seqs, (0, 3, 3)):
-        seq.priority, seq.arrival = priority, seq.seq_id
-    sched.running = [seqs[0], seqs[2], seqs[1]]  # started running out of arrival order (id 1 after a preemption)
-    out = SchedulerOutput()
-    got = call_allocate_or_preempt(impl, sched, seqs[0], 1, out, {}, inputs)
-    expect_equal(got, ([], 0), inputs=f"{inputs}; (copies, budget handed back)")
-    expect_equal(out.preempted_seq_ids, [2], inputs=f"{inputs}; preempted_seq_ids (equal priority: the latest arrival)")
 
 
 @pytest.mark.exercise("allocate_or_preempt")

@@ -15,10 +15,10 @@ from grading import exercising, expect_equal
 from grading.capstone import CAPSTONE_PROMPTS, generate_batch, smollm2, smollm2_greedy, swap_in
 from solutions.attention.paged import KVCache
 from solutions.core.kv_cache_manager import KVCacheManager
-from solutions.core.sched import scheduler as scheduler_module
+from solutions.core.sched import swapping_scheduler as swapping_module
 from solutions.core.sched.output import SchedulerOutput
 from solutions.core.sched.request_queue import SchedulingPolicy
-from solutions.core.sched.scheduler import PreemptionMode, Scheduler
+from solutions.core.sched.swapping_scheduler import PreemptionMode, SwappingScheduler
 from solutions.core.sequence import Sequence, SequenceStatus
 from solutions.engine.arg_utils import EngineArgs
 from solutions.engine.llm_engine import LLMEngine
@@ -27,8 +27,8 @@ from solutions.kv_offload.manager import CPUOffloadingManager, update_state_afte
 from solutions.sampling_params import SamplingParams
 
 REFERENCE = {
-    "select_preemption": scheduler_module.select_preemption,
-    "schedule_swapped": scheduler_module.schedule_swapped,
+    "select_preemption": swapping_module.select_preemption,
+    "schedule_swapped": swapping_module.schedule_swapped,
     "prepare_store": offload_manager.prepare_store,
     "get_num_new_matched_tokens": offload_manager.get_num_new_matched_tokens,
 }
@@ -39,9 +39,7 @@ reference_prepare_store = offload_manager.prepare_store  # taken at load time: i
 # header): Hint 2 may show none of them (tests/test_hints.py).
 DECISIVE = {
     "select_preemption": [
-        "victim = scheduler.running[-1]",
-        "victim = max(scheduler.running, key=lambda s: (s.priority, s.arrival, s.seq_id))",
-        "group = scheduler.group_of(victim)",
+        "group = scheduler.group_of(select_victim(scheduler))",
         "fits_host = num_blocks <= scheduler.kv_cache_manager.swap_pool.num_free_blocks",
         "can_return = num_blocks + len(group) <= scheduler.kv_cache_manager.num_blocks",
     ],
@@ -78,13 +76,13 @@ PROMPT = list(range(100, 110))  # 10 tokens: blocks A (positions 0-3), B (4-7), 
 def running_set(
     num_device_blocks: int = 16, num_host_blocks: int = 8, *, policy: SchedulingPolicy = SchedulingPolicy.FCFS,
     priorities: tuple[int, int] = (0, 0), max_num_seqs: int = 8,
-) -> tuple[Scheduler, list[Sequence], str]:
+) -> tuple[SwappingScheduler, list[Sequence], str]:
     """Seq 5 (request q: 4 computed tokens and 1 new, 1 block) started first, then request r: a 10-token prompt
     forked into samples 0, 1, 2, each with one new token (the prompt's blocks A, B, C shared: 3 distinct blocks).
     `priorities` = (q's, r's). Returns (scheduler, [seq 5, sample 0, 1, 2], a description)."""
     manager = KVCacheManager(num_device_blocks, BLOCK_SIZE, enable_prefix_caching=False)
     manager.enable_swapping(num_host_blocks)
-    scheduler = Scheduler(manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
+    scheduler = SwappingScheduler(manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
                           long_prefill_token_threshold=64, policy=policy)
     first = Sequence(5, [1, 2, 3, 4], priority=priorities[0], arrival=0)
     first.request_id = "q"
@@ -110,7 +108,7 @@ def running_set(
     return scheduler, [first, *group], inputs
 
 
-def run_select(impl, scheduler: Scheduler, inputs: str) -> tuple[list[int], PreemptionMode]:
+def run_select(impl, scheduler: SwappingScheduler, inputs: str) -> tuple[list[int], PreemptionMode]:
     with exercising("select_preemption", inputs):
         group, mode = impl.select_preemption(scheduler)
     return [seq.seq_id for seq in group], mode
@@ -203,12 +201,12 @@ def swapped_set(num_device_blocks: int, *, max_num_seqs: int = 8):
     return scheduler, seqs, late, inputs
 
 
-def run_swapped(impl, scheduler: Scheduler, out: SchedulerOutput, budget: int, inputs: str) -> int:
+def run_swapped(impl, scheduler: SwappingScheduler, out: SchedulerOutput, budget: int, inputs: str) -> int:
     with exercising("schedule_swapped", inputs):
         return impl.schedule_swapped(scheduler, out, budget, {})
 
 
-def swapped_ids(scheduler: Scheduler) -> list[list[int]]:
+def swapped_ids(scheduler: SwappingScheduler) -> list[list[int]]:
     return [[seq.seq_id for seq in group] for group in scheduler.swapped]
 
 

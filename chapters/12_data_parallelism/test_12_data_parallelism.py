@@ -28,6 +28,7 @@ from solutions.core.sched.output import ModelRunnerOutput, SchedulerOutput, samp
 from solutions.core.sched.placement import PrefixAwarePolicy, ReplicaState
 from solutions.core.sched.request_queue import SchedulingPolicy
 from solutions.core.sched.scheduler import Scheduler
+from solutions.core.sched.swapping_scheduler import SwappingScheduler
 from solutions.core.sequence import Sequence, SequenceStatus
 from solutions.engine.arg_utils import EngineArgs
 from solutions.engine.llm_engine import LLMEngine
@@ -272,8 +273,9 @@ def hand_built(num_replicas: int = 2, num_blocks: int = 16, num_swap_blocks: int
         manager = KVCacheManager(num_blocks, BLOCK_SIZE)
         if num_swap_blocks:
             manager.enable_swapping(num_swap_blocks)
-        replicas.append(Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64, long_prefill_token_threshold=64,
-                                  max_model_len=64))
+        cls = SwappingScheduler if num_swap_blocks else Scheduler
+        replicas.append(cls(manager, max_num_seqs=4, max_num_batched_tokens=64, long_prefill_token_threshold=64,
+                              max_model_len=64))
     return DataParallelScheduler(replicas, PrefixAwarePolicy(), SchedulingPolicy.FCFS)
 
 

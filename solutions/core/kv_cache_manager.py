@@ -31,6 +31,7 @@ from solutions.core.block_manager import BlockManager
 from solutions.core.block_pool import BlockPool, KVCacheBlock
 from solutions.core.sequence import Sequence
 from solutions.kv_offload.manager import CPUOffloadingManager
+from solutions.kv_offload.swap import swap_in, swap_out
 from solutions.utils.math_utils import cdiv
 
 
@@ -79,9 +80,23 @@ class KVCacheManager(BlockManager):
         self.block_pool.on_evict = self.offloading.on_evict
 
     def enable_swapping(self, num_swap_blocks: int) -> None:
-        """Chapter 11: a host pool of `num_swap_blocks` for preempted groups swapped out whole (`kv_offload/swap.py`
-        moves the blocks). The manager owns the pool; which group goes and when it comes back is the scheduler's."""
+        """Chapter 11: a host pool of `num_swap_blocks` for preempted groups swapped out whole. The manager owns the
+        pool and is the only one to take or free its blocks; which group goes and when it comes back is the
+        scheduler's (`SwappingScheduler`)."""
         self.swap_pool = BlockPool(num_swap_blocks)
+
+    def swap_out(self, group: list[Sequence]) -> list[tuple[int, int]]:
+        """Move `group`'s blocks to the swap pool (`kv_offload/swap.py`): the (device, host) block copies to make."""
+        return swap_out(self.block_pool, self.swap_pool, group)
+
+    def swap_in(self, group: list[Sequence]) -> list[tuple[int, int]]:
+        """Bring swapped-out `group`'s blocks back to the device: the (host, device) block copies to make."""
+        return swap_in(self.swap_pool, self.block_pool, group)
+
+    def free_swapped(self, seq: Sequence) -> None:
+        """`free` for a sequence that is swapped out: its block table holds host blocks, last block first."""
+        self.swap_pool.free_blocks(self.swap_pool.blocks[block_id] for block_id in reversed(seq.block_table))
+        seq.block_table.clear()
 
     # sharing ------------------------------------------------------------------------------------------------------
 

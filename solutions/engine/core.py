@@ -50,7 +50,7 @@ import torch
 from solutions.beam_search import BeamSearchParams, BeamSearchSequence, run_beam_search
 from solutions.config import VllmConfig
 from solutions.core.sched.data_parallel_scheduler import DataParallelScheduler
-from solutions.core.sched.scheduler import Scheduler
+from solutions.core.sched.swapping_scheduler import scheduler_cls
 from solutions.core.sequence import Sequence, SequenceStatus
 from solutions.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 from solutions.executor.abstract import Executor
@@ -67,8 +67,8 @@ class EngineCore:
         self.vllm_config = vllm_config
         self.model_executor = executor_class(vllm_config)
         self.structured_output_manager = StructuredOutputManager.from_config(vllm_config.model_config)
-        scheduler_cls = DataParallelScheduler if vllm_config.parallel_config.data_parallel else Scheduler
-        self.scheduler = scheduler_cls.from_config(vllm_config, self.structured_output_manager)
+        cls = DataParallelScheduler if vllm_config.parallel_config.data_parallel else scheduler_cls(vllm_config)
+        self.scheduler = cls.from_config(vllm_config, self.structured_output_manager)
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()  # the order requests came in: priority ties, unseeded seeds
 

@@ -256,13 +256,56 @@ class KeepsTheVictimsBudget(_Template):
         return seq_copies, 0
 
 
-# --- allocate_or_preempt -----------------------------------------------------------------------------------------
+# --- select_victim -------------------------------------------------------------------------------------------
 
 
 def _victim(scheduler: SchedulerBase, *, priority_key=None, fcfs_index: int = -1) -> Sequence:
     if scheduler.policy is SchedulingPolicy.PRIORITY:
         return max(scheduler.running, key=priority_key or (lambda s: (s.priority, s.arrival, s.seq_id)))
     return scheduler.running[fcfs_index]
+
+
+def select_victim_picks_the_first(scheduler: SchedulerBase) -> Sequence:
+    """FCFS: the first to start running (the oldest) instead of the last."""
+    return _victim(scheduler, fcfs_index=0)
+
+
+def select_victim_fcfs_latest_arrival(scheduler: SchedulerBase) -> Sequence:
+    """FCFS: the latest arrival instead of the last to start running (a preempted early arrival restarts late)."""
+    if scheduler.policy is SchedulingPolicy.PRIORITY:
+        return _victim(scheduler)
+    return max(scheduler.running, key=lambda s: (s.arrival, s.seq_id))
+
+
+def select_victim_priority_picks_the_smallest(scheduler: SchedulerBase) -> Sequence:
+    """PRIORITY: the smallest `priority` value, which is the most important request."""
+    return _victim(scheduler, priority_key=lambda s: (-s.priority, s.arrival, s.seq_id))
+
+
+def select_victim_priority_ties_to_the_oldest(scheduler: SchedulerBase) -> Sequence:
+    """PRIORITY: among equal priorities, the earliest arrival instead of the latest."""
+    return _victim(scheduler, priority_key=lambda s: (s.priority, -s.arrival, -s.seq_id))
+
+
+def select_victim_priority_ignores_the_seq_id(scheduler: SchedulerBase) -> Sequence:
+    """PRIORITY: (priority, arrival) alone, so a full tie goes to whichever started first."""
+    return _victim(scheduler, priority_key=lambda s: (s.priority, s.arrival))
+
+
+def select_victim_ignores_the_policy(scheduler: SchedulerBase) -> Sequence:
+    """The last to start running whatever the policy: under PRIORITY a more important request goes."""
+    return scheduler.running[-1]
+
+
+def select_victim_lowest_priority_anywhere(scheduler: SchedulerBase) -> Sequence:
+    """The least important sequence running *or waiting*: a waiting one holds no blocks to give back."""
+    candidates = [*scheduler.running, *scheduler.waiting]
+    if scheduler.policy is SchedulingPolicy.PRIORITY:
+        return max(candidates, key=lambda s: (s.priority, s.arrival, s.seq_id))
+    return candidates[-1]
+
+
+# --- allocate_or_preempt -----------------------------------------------------------------------------------------
 
 
 def _allocate_or_preempt(scheduler, seq, num_new_tokens, out, copies, *, choose=_victim, give_back=True,
@@ -279,34 +322,6 @@ def _allocate_or_preempt(scheduler, seq, num_new_tokens, out, copies, *, choose=
         if not retry:
             return scheduler.kv_cache_manager.allocate_slots(seq, num_new_tokens), returned
     return seq_copies, returned
-
-
-def allocate_or_preempt_picks_the_first(
-    scheduler: SchedulerBase, seq: Sequence, num_new_tokens: int, out: SchedulerOutput,
-    copies: dict[int, list[tuple[int, int]]],
-) -> tuple[list[tuple[int, int]] | None, int]:
-    """FCFS: preempts the first to start running (the oldest) instead of the last."""
-    return _allocate_or_preempt(scheduler, seq, num_new_tokens, out, copies, choose=lambda s: _victim(s, fcfs_index=0))
-
-
-def allocate_or_preempt_priority_picks_the_smallest(
-    scheduler: SchedulerBase, seq: Sequence, num_new_tokens: int, out: SchedulerOutput,
-    copies: dict[int, list[tuple[int, int]]],
-) -> tuple[list[tuple[int, int]] | None, int]:
-    """PRIORITY: preempts the smallest `priority` value, which is the most important request."""
-    key = lambda s: (-s.priority, s.arrival, s.seq_id)  # noqa: E731
-    return _allocate_or_preempt(scheduler, seq, num_new_tokens, out, copies,
-                                choose=lambda s: _victim(s, priority_key=key))
-
-
-def allocate_or_preempt_priority_ties_to_the_oldest(
-    scheduler: SchedulerBase, seq: Sequence, num_new_tokens: int, out: SchedulerOutput,
-    copies: dict[int, list[tuple[int, int]]],
-) -> tuple[list[tuple[int, int]] | None, int]:
-    """PRIORITY: among equal priorities, preempts the earliest arrival instead of the latest."""
-    key = lambda s: (s.priority, -s.arrival, -s.seq_id)  # noqa: E731
-    return _allocate_or_preempt(scheduler, seq, num_new_tokens, out, copies,
-                                choose=lambda s: _victim(s, priority_key=key))
 
 
 def allocate_or_preempt_forgets_the_budget(
@@ -339,14 +354,6 @@ def allocate_or_preempt_runs_past_itself(
 ) -> tuple[list[tuple[int, int]] | None, int]:
     """Does not stop when the victim is `seq` itself: it allocates again for a sequence now waiting."""
     return _allocate_or_preempt(scheduler, seq, num_new_tokens, out, copies, stop_at_self=False)
-
-
-def allocate_or_preempt_priority_takes_the_last_running(
-    scheduler: SchedulerBase, seq: Sequence, num_new_tokens: int, out: SchedulerOutput,
-    copies: dict[int, list[tuple[int, int]]],
-) -> tuple[list[tuple[int, int]] | None, int]:
-    """Preempts the last to start running whatever the policy: under PRIORITY a more important request goes."""
-    return _allocate_or_preempt(scheduler, seq, num_new_tokens, out, copies, choose=lambda s: s.running[-1])
 
 
 def _victim_behind_first(scheduler: SchedulerBase, seq: Sequence) -> Sequence:
@@ -737,18 +744,18 @@ MUTANTS = {
     "schedule_counts_only_running_sequences": {"Scheduler": CountsOnlyRunningSequences},
     "schedule_steps_past_a_victim_ahead": {"Scheduler": StepsPastAVictimAhead},
     "schedule_keeps_the_victims_budget": {"Scheduler": KeepsTheVictimsBudget},
-    "allocate_or_preempt_picks_the_first": {"allocate_or_preempt": allocate_or_preempt_picks_the_first},
-    "allocate_or_preempt_priority_picks_the_smallest":
-        {"allocate_or_preempt": allocate_or_preempt_priority_picks_the_smallest},
-    "allocate_or_preempt_priority_ties_to_the_oldest":
-        {"allocate_or_preempt": allocate_or_preempt_priority_ties_to_the_oldest},
+    "select_victim_picks_the_first": {"select_victim": select_victim_picks_the_first},
+    "select_victim_fcfs_latest_arrival": {"select_victim": select_victim_fcfs_latest_arrival},
+    "select_victim_priority_picks_the_smallest": {"select_victim": select_victim_priority_picks_the_smallest},
+    "select_victim_priority_ties_to_the_oldest": {"select_victim": select_victim_priority_ties_to_the_oldest},
+    "select_victim_priority_ignores_the_seq_id": {"select_victim": select_victim_priority_ignores_the_seq_id},
+    "select_victim_ignores_the_policy": {"select_victim": select_victim_ignores_the_policy},
+    "select_victim_lowest_priority_anywhere": {"select_victim": select_victim_lowest_priority_anywhere},
     "allocate_or_preempt_forgets_the_budget": {"allocate_or_preempt": allocate_or_preempt_forgets_the_budget},
     "allocate_or_preempt_keeps_the_victim_scheduled":
         {"allocate_or_preempt": allocate_or_preempt_keeps_the_victim_scheduled},
     "allocate_or_preempt_only_once": {"allocate_or_preempt": allocate_or_preempt_only_once},
     "allocate_or_preempt_runs_past_itself": {"allocate_or_preempt": allocate_or_preempt_runs_past_itself},
-    "allocate_or_preempt_priority_takes_the_last_running":
-        {"allocate_or_preempt": allocate_or_preempt_priority_takes_the_last_running},
     "allocate_or_preempt_priority_looks_behind_first":
         {"allocate_or_preempt": allocate_or_preempt_priority_looks_behind_first},
     "allocate_or_preempt_resets_before_freeing": {"allocate_or_preempt": allocate_or_preempt_resets_before_freeing},
@@ -792,6 +799,7 @@ MUTANTS = {
 # a sampled request with penalties) fail: the capstone really runs each exercise.
 CAPSTONE_MUTANTS = {
     "Scheduler": "schedule_ignores_cached_tokens",
+    "select_victim": "select_victim_lowest_priority_anywhere",
     "allocate_or_preempt": "allocate_or_preempt_keeps_the_victim_scheduled",
     "prepare_inputs": "prepare_inputs_chunk_slots_from_zero",
     "sampling_rows": "sampling_rows_samples_prompt_chunks",

@@ -1,19 +1,13 @@
 """Plausible wrong answers to chapter 11's exercises; each must fail at least one test of its exercise."""
 
 from solutions.core.sched.output import SchedulerOutput
-from solutions.core.sched.request_queue import SchedulingPolicy
-from solutions.core.sched.scheduler import PreemptionMode, SchedulerBase
+from solutions.core.sched.scheduler import SchedulerBase, select_victim
+from solutions.core.sched.swapping_scheduler import PreemptionMode
 from solutions.core.sequence import Sequence
 from solutions.kv_offload.manager import CPUOffloadingManager
 from solutions.kv_offload.swap import num_group_blocks
 
 # --- select_preemption ----------------------------------------------------------------------------------------------
-
-
-def _victim(scheduler: SchedulerBase) -> Sequence:
-    if scheduler.policy is SchedulingPolicy.PRIORITY:
-        return max(scheduler.running, key=lambda s: (s.priority, s.arrival, s.seq_id))
-    return scheduler.running[-1]
 
 
 def _mode(scheduler: SchedulerBase, group: list[Sequence], *, host: int | None = None, way_back: int = 0,
@@ -25,28 +19,16 @@ def _mode(scheduler: SchedulerBase, group: list[Sequence], *, host: int | None =
     return PreemptionMode.SWAP if fits else PreemptionMode.RECOMPUTE
 
 
-def select_preemption_first_started(scheduler: SchedulerBase) -> tuple[list[Sequence], PreemptionMode]:
-    """Takes the victim from the wrong end: the sequence that started first, which has waited longest."""
-    group = scheduler.group_of(scheduler.running[0])
-    return group, _mode(scheduler, group)
-
-
-def select_preemption_ignores_priority(scheduler: SchedulerBase) -> tuple[list[Sequence], PreemptionMode]:
-    """The last to start, whatever the policy: a high-priority request is preempted before a low-priority one."""
-    group = scheduler.group_of(scheduler.running[-1])
-    return group, _mode(scheduler, group)
-
-
 def select_preemption_victim_alone(scheduler: SchedulerBase) -> tuple[list[Sequence], PreemptionMode]:
     """The victim without its sister samples: the group is split (its shared blocks stay on the device, held by
     the sisters, and come back apart)."""
-    group = [_victim(scheduler)]
+    group = [select_victim(scheduler)]
     return group, _mode(scheduler, group)
 
 
 def select_preemption_every_sample_of_the_request(scheduler: SchedulerBase) -> tuple[list[Sequence], PreemptionMode]:
     """The group is every sample the request ever had, finished (or already out) ones included."""
-    victim = _victim(scheduler)
+    victim = select_victim(scheduler)
     group = list(scheduler.requests.get(victim.request_id, [victim]))
     return group, _mode(scheduler, group)
 
@@ -61,36 +43,36 @@ def select_preemption_latest_arrival_anywhere(scheduler: SchedulerBase) -> tuple
 
 def select_preemption_always_swaps(scheduler: SchedulerBase) -> tuple[list[Sequence], PreemptionMode]:
     """Never asks whether the host has room (or the group a way back): a full host pool fails the swap-out."""
-    return scheduler.group_of(_victim(scheduler)), PreemptionMode.SWAP
+    return scheduler.group_of(select_victim(scheduler)), PreemptionMode.SWAP
 
 
 def select_preemption_host_pool_size(scheduler: SchedulerBase) -> tuple[list[Sequence], PreemptionMode]:
     """Compares the group with the host pool's size, not its free blocks: another group out already is forgotten."""
-    group = scheduler.group_of(_victim(scheduler))
+    group = scheduler.group_of(select_victim(scheduler))
     return group, _mode(scheduler, group, host=scheduler.kv_cache_manager.swap_pool.num_blocks)
 
 
 def select_preemption_strict_host_room(scheduler: SchedulerBase) -> tuple[list[Sequence], PreemptionMode]:
     """Wants a spare host block: a host pool of exactly the group's blocks is refused."""
-    group = scheduler.group_of(_victim(scheduler))
+    group = scheduler.group_of(select_victim(scheduler))
     return group, _mode(scheduler, group, host=scheduler.kv_cache_manager.swap_pool.num_free_blocks - 1)
 
 
 def select_preemption_ignores_the_way_back(scheduler: SchedulerBase) -> tuple[list[Sequence], PreemptionMode]:
     """Checks the host only: swaps out a group too large for the device ever to take back."""
-    group = scheduler.group_of(_victim(scheduler))
+    group = scheduler.group_of(select_victim(scheduler))
     return group, _mode(scheduler, group, check_way_back=False)
 
 
 def select_preemption_strict_way_back(scheduler: SchedulerBase) -> tuple[list[Sequence], PreemptionMode]:
     """Wants a spare device block beyond the group's blocks and one per sample: exactly enough is refused."""
-    group = scheduler.group_of(_victim(scheduler))
+    group = scheduler.group_of(select_victim(scheduler))
     return group, _mode(scheduler, group, way_back=1)
 
 
 def select_preemption_free_device_blocks(scheduler: SchedulerBase) -> tuple[list[Sequence], PreemptionMode]:
     """Asks the way back of the device's free blocks now (all but none, mid-preemption) instead of its size."""
-    group = scheduler.group_of(_victim(scheduler))
+    group = scheduler.group_of(select_victim(scheduler))
     num_blocks = num_group_blocks(group)
     fits = (num_blocks <= scheduler.kv_cache_manager.swap_pool.num_free_blocks
             and num_blocks + len(group) <= scheduler.kv_cache_manager.num_free_blocks)
@@ -290,8 +272,6 @@ def lookup_counts_every_prompt_token(offloading: CPUOffloadingManager, block_has
 
 
 MUTANTS = {
-    "select_preemption_first_started": {"select_preemption": select_preemption_first_started},
-    "select_preemption_ignores_priority": {"select_preemption": select_preemption_ignores_priority},
     "select_preemption_victim_alone": {"select_preemption": select_preemption_victim_alone},
     "select_preemption_every_sample_of_the_request":
         {"select_preemption": select_preemption_every_sample_of_the_request},

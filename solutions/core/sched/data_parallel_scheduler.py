@@ -32,6 +32,7 @@ from solutions.core.sched.output import GrammarOutput, ModelRunnerOutput, Schedu
 from solutions.core.sched.placement import PlacementPolicy, ReplicaState, create_placement_policy
 from solutions.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from solutions.core.sched.scheduler import Scheduler
+from solutions.core.sched.swapping_scheduler import scheduler_cls
 from solutions.core.sequence import Sequence, SequenceStatus
 from solutions.engine import EngineCoreOutputs
 from solutions.metrics.stats import SchedulerStats
@@ -103,7 +104,8 @@ class DataParallelScheduler:
         """`data_parallel_size` replicas, each the scheduler (and pool) one engine of this config would have."""
         parallel = vllm_config.parallel_config
         replicas = [
-            Scheduler.from_config(vllm_config, structured_output_manager) for _ in range(parallel.data_parallel_size)
+            scheduler_cls(vllm_config).from_config(vllm_config, structured_output_manager)
+            for _ in range(parallel.data_parallel_size)
         ]
         placement = create_placement_policy(parallel.data_parallel_placement, parallel.data_parallel_size)
         return cls(replicas, placement, SchedulingPolicy(vllm_config.scheduler_config.policy))

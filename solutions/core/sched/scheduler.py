@@ -8,22 +8,16 @@ sequences first (in the order they started), then waiting ones in the queue's or
 prefilled in chunks over several steps while the running sequences keep decoding beside it (chunked prefill).
 
 When the KV cache manager has no block for a running sequence, the scheduler preempts by recompute
-(`allocate_or_preempt`): it picks a victim — the last sequence to start running (FCFS), or the lowest priority,
-latest arrival (PRIORITY) — takes it back out of the step's batch if it was already in (returning its tokens to
-the budget), frees its blocks, resets it to 0 computed tokens and puts it back at the front of the waiting
-queue; its tokens are kept, so it resumes exactly where it was (prefix caching usually finds most of its blocks
-still there). It repeats until the allocation succeeds or the victim is the sequence itself. No waiting
-sequence is admitted in a step that preempted.
-
-With a swap pool (chapter 11, `preemption_mode="swap"`; the KV cache manager owns it and the scheduler decides who
-uses it), `allocate_or_swap_out` asks `select_preemption` which sequence group (every running sample of one request)
-leaves, and whether it is swapped out (`_preempt_by_swap`: shared blocks copied once,
-`solutions/kv_offload/swap.py`) or recomputed (`_preempt_by_recompute`); a group always moves whole (the paper's
-§4.5). `schedule_swapped` decides which swapped groups come back (`_swap_in_group`) before the waiting queue is
-served, and what budget that leaves to new admissions. With the prefix cache's host tier (`kv_offloading_size`), an
-admitted sequence's lookup continues on the host after the device's hits, and the blocks found there are loaded
-instead of computed. The block copies both need travel in the `SchedulerOutput`, made by the runner before the
-forward pass.
+(`allocate_or_preempt`): `select_victim` names the running sequence that gives its memory up — the last to start
+running (FCFS), or the lowest priority, latest arrival (PRIORITY) — which leaves the step's batch if it was in
+(returning its tokens to the budget), frees its blocks, resets to 0 computed tokens and goes back to the front of
+the waiting queue; its tokens are kept, so it resumes exactly where it was (prefix caching usually finds most of
+its blocks still there). It repeats until the allocation succeeds or the victim is the sequence itself. No waiting
+sequence is admitted in a step that preempted. Chapter 11's `SwappingScheduler` (`swapping_scheduler.py`) may swap
+a victim's group out instead; it chooses the victim with the same `select_victim`. With the prefix cache's host
+tier (`kv_offloading_size`), an admitted sequence's lookup continues on the host after the device's hits, and the
+blocks found there are loaded instead of computed (the copies travel in the `SchedulerOutput`, made by the runner
+before the forward pass).
 
 The scheduler is the one writer of a sequence's progress. When the batch is decided, `_update_after_schedule`
 advances every scheduled sequence's `num_computed_tokens` past its scheduled tokens (the step's
@@ -47,19 +41,18 @@ verified tokens are ever hashed), and the blocks only rejected drafts used stay 
 drafts. Preemption drops the drafts.
 
 The module is split so that each idea can be read (and, in chapter 5, written) on its own: `SchedulerBase`
-holds the queues and the bookkeeping (`_preempt_request` and `update_from_output` among it),
-`allocate_or_preempt` is the decision to preempt, and `Scheduler` adds the one method that decides a step,
+holds the queues and the bookkeeping (`_preempt_request` and `update_from_output` among it), `select_victim`
+is who gives memory up, `allocate_or_preempt` when, and `Scheduler` adds the one method that decides a step,
 `schedule`.
 
 Where this lives in vLLM: `vllm/v1/core/sched/scheduler.py` (`Scheduler.schedule`, whose loop around
-`allocate_slots` is our `allocate_or_preempt`, `_preempt_request`, `update_from_output`, `get_grammar_bitmask`;
-`spec_token_ids` trimmed to the budget and `max_model_len` in `schedule`, the rollback of `num_computed_tokens`
-for rejected drafts in `update_from_output`).
+`allocate_slots` is our `allocate_or_preempt` and the victim it picks there our `select_victim`; `_preempt_request`,
+`update_from_output`, `get_grammar_bitmask`; `spec_token_ids` trimmed to the budget and `max_model_len` in
+`schedule`, the rollback of `num_computed_tokens` for rejected drafts in `update_from_output`).
 """
 
 import importlib
 import time
-from enum import Enum
 from typing import TYPE_CHECKING, Self
 
 import torch
@@ -72,7 +65,6 @@ from solutions.core.sched.stop import check_stop
 from solutions.core.sequence import Sequence, SequenceStatus
 from solutions.engine import EngineCoreOutput, EngineCoreOutputs
 from solutions.kv_offload.manager import get_num_new_matched_tokens, update_state_after_alloc
-from solutions.kv_offload.swap import num_group_blocks, swap_in, swap_out
 from solutions.metrics.stats import SchedulerStats
 from solutions.outputs import FinishReason
 
@@ -118,15 +110,27 @@ class SchedulerBase:
         self.running: list[Sequence] = []  # in the order they started running
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its samples' sequences, until all finish
         self.num_preemptions = 0  # over the scheduler's life
-        # chapter 11: with a swap pool (the KV cache manager's), a preempted group may be swapped out whole
-        self.swapped: list[list[Sequence]] = []  # swapped-out groups, in the order they went out
+        # swapped-out groups, in the order they went out: only chapter 11's `SwappingScheduler` fills it
+        self.swapped: list[list[Sequence]] = []
         self._reported_queries = self._reported_hits = 0  # prefix-cache lookups already in a SchedulerStats
         self._reported_external = (0, 0)  # the host tier's (queries, hits) already in a SchedulerStats
 
     @classmethod
     def from_config(cls, vllm_config: VllmConfig, structured_output_manager: "StructuredOutputManager") -> Self:
         """The scheduler of an engine, with the KV cache manager its config names."""
-        cache, sched = vllm_config.cache_config, vllm_config.scheduler_config
+        sched = vllm_config.scheduler_config
+        return cls(
+            cls._make_kv_cache_manager(vllm_config), max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            long_prefill_token_threshold=sched.long_prefill_token_threshold, policy=SchedulingPolicy(sched.policy),
+            max_model_len=sched.max_model_len, eos_token_id=vllm_config.model_config.eos_token_id,
+            structured_output_manager=structured_output_manager,
+        )
+
+    @classmethod
+    def _make_kv_cache_manager(cls, vllm_config: VllmConfig) -> KVCacheManager:
+        """The KV cache manager the config names, with the prefix cache's host tier if it asks for one."""
+        cache = vllm_config.cache_config
         module_name, _, class_name = cache.kv_cache_manager_cls.rpartition(".")
         manager_cls = getattr(importlib.import_module(module_name), class_name)
         manager = manager_cls(
@@ -134,14 +138,7 @@ class SchedulerBase:
         )
         if cache.num_offload_blocks:
             manager.enable_offloading(cache.num_offload_blocks)
-        if cache.swapping:
-            manager.enable_swapping(cache.num_swap_blocks)
-        return cls(
-            manager, max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
-            long_prefill_token_threshold=sched.long_prefill_token_threshold, policy=SchedulingPolicy(sched.policy),
-            max_model_len=sched.max_model_len, eos_token_id=vllm_config.model_config.eos_token_id,
-            structured_output_manager=structured_output_manager,
-        )
+        return manager
 
     def add_seq(self, seq: Sequence) -> None:
         self.waiting.add(seq)
@@ -188,16 +185,7 @@ class SchedulerBase:
             self.running.remove(seq)
         elif seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
             self.waiting.remove(seq)
-        if seq.status is SequenceStatus.SWAPPED:  # its blocks are host blocks
-            group = next(group for group in self.swapped if seq in group)
-            group.remove(seq)
-            if not group:
-                self.swapped.remove(group)
-            swap_pool = self.kv_cache_manager.swap_pool
-            swap_pool.free_blocks(swap_pool.blocks[block_id] for block_id in reversed(seq.block_table))
-            seq.block_table.clear()
-        else:
-            self.kv_cache_manager.free(seq)
+        self.kv_cache_manager.free(seq)
         seq.status = status
 
     # --- helpers for schedule() ----------------------------------------------------------------------------------
@@ -207,8 +195,6 @@ class SchedulerBase:
     ) -> tuple[list[tuple[int, int]] | None, int]:
         """`allocate_or_preempt(self, ...)`, looked up in this module when called: `schedule()` reaches the
         preemption decision through this method, so any `schedule()` runs whichever one the module holds."""
-        if self.kv_cache_manager.swap_pool is not None:
-            return allocate_or_swap_out(self, seq, num_new_tokens, out, copies)
         return allocate_or_preempt(self, seq, num_new_tokens, out, copies)
 
     def group_of(self, seq: Sequence) -> list[Sequence]:
@@ -274,73 +260,9 @@ class SchedulerBase:
         out.preempted_seq_ids.append(seq.seq_id)
         self.num_preemptions += 1
 
-    def _preempt_by_recompute(
-        self, group: list[Sequence], out: SchedulerOutput, copies: dict[int, list[tuple[int, int]]]
-    ) -> int:
-        """Preempt every sequence of `group` by recompute (vLLM v0: `_preempt_by_recompute`), each out of the batch
-        first if it is in it; they wait at the front of the queue in their running order. Returns the budget handed
-        back by those that were in the batch."""
-        returned = 0
-        for seq in reversed(group):
-            if seq in out.scheduled_seqs:
-                returned += self._remove_from_batch(out, seq, copies)
-            self._preempt_request(seq, out)
-        return returned
-
-    def _preempt_by_swap(
-        self, group: list[Sequence], out: SchedulerOutput, copies: dict[int, list[tuple[int, int]]]
-    ) -> int:
-        """Preempt `group` by swapping it out whole (vLLM v0: `_preempt_by_swap`): its blocks go to the host pool
-        (`swap_out`), each sequence leaves the running set for `swapped`. Returns the budget handed back by those that
-        were in this step's batch.
-
-        A sequence in the batch leaves it first, with the blocks allocated for this step's tokens (they will now not
-        run: `free_uncomputed_blocks`). A copy-on-write this step gave it leaves with its place, so its destination
-        holds nothing yet: the swap-out reads the shared block it would have copied instead. The caller has checked
-        that the host pool has `num_group_blocks(group)` free blocks.
-        """
-        returned, read_from = 0, {}
-        for seq in group:
-            if seq in out.scheduled_seqs:
-                read_from.update((dst, src) for src, dst in copies.get(seq.seq_id, []))
-                returned += self._remove_from_batch(out, seq, copies)
-            self.kv_cache_manager.free_uncomputed_blocks(seq)
-        for seq in group:
-            self.running.remove(seq)
-            seq.spec_token_ids = []
-            seq.status = SequenceStatus.SWAPPED
-            out.preempted_seq_ids.append(seq.seq_id)
-            out.swapped_out_seq_ids.append(seq.seq_id)
-        manager = self.kv_cache_manager
-        pairs = swap_out(manager.block_pool, manager.swap_pool, group)
-        out.blocks_to_swap_out += [(read_from.get(device_id, device_id), host_id) for device_id, host_id in pairs]
-        self.swapped.append(group)
-        self.num_preemptions += len(group)
-        return returned
-
-    def _swap_in(self, out: SchedulerOutput, budget: int, copies: dict[int, list[tuple[int, int]]]) -> int:
-        """`schedule_swapped(self, ...)`, looked up in this module when called (chapter 11's decision)."""
-        return schedule_swapped(self, out, budget, copies)
-
-    def _swap_in_group(
-        self, group: list[Sequence], out: SchedulerOutput, budget: int, copies: dict[int, list[tuple[int, int]]]
-    ) -> int:
-        """Bring swapped-out `group` back (vLLM v0: `_swap_in`): its blocks into fresh device blocks (`swap_in`), each
-        sequence running again, its full blocks prefix hits again, and scheduled this step if its next tokens fit in
-        `budget` and in the free blocks. The caller has checked the room. Returns the budget left."""
-        manager = self.kv_cache_manager
-        self.swapped.remove(group)
-        out.blocks_to_swap_in += swap_in(manager.swap_pool, manager.block_pool, group)
-        for seq in group:
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.swapped_in_seq_ids.append(seq.seq_id)
-            manager.cache_blocks(seq, 0, seq.num_computed_tokens)
-            num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget, self.long_prefill_token_threshold)
-            seq_copies = manager.allocate_slots(seq, num_new_tokens) if num_new_tokens > 0 else None
-            if seq_copies is not None:  # else it runs from the next step
-                self._add_to_batch(out, seq, num_new_tokens, seq_copies, copies)
-                budget -= num_new_tokens
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int, copies: dict[int, list[tuple[int, int]]]) -> int:
+        """The budget left to admissions once swapped-out groups have come back: here nothing is ever swapped out,
+        so all of it (chapter 11's `SwappingScheduler` brings its groups back here)."""
         return budget
 
     def _get_num_offloaded_tokens(self, seq: Sequence, num_cached_tokens: int) -> int:
@@ -557,6 +479,15 @@ def _is_decode(seq: Sequence, num_new_tokens: int) -> bool:
     )
 
 
+def select_victim(scheduler: SchedulerBase) -> Sequence:
+    """The running sequence that gives its memory up when a running sequence needs a block and none is free: the
+    last to start running (FCFS), or the lowest priority (the largest value), latest arrival (PRIORITY). Both ways
+    of preempting (recompute here, swap in chapter 11) ask this one rule."""
+    if scheduler.policy is SchedulingPolicy.PRIORITY:
+        return max(scheduler.running, key=lambda s: (s.priority, s.arrival, s.seq_id))
+    return scheduler.running[-1]
+
+
 def allocate_or_preempt(
     scheduler: SchedulerBase, seq: Sequence, num_new_tokens: int, out: SchedulerOutput,
     copies: dict[int, list[tuple[int, int]]],
@@ -568,77 +499,13 @@ def allocate_or_preempt(
     """
     returned = 0
     while (seq_copies := scheduler.kv_cache_manager.allocate_slots(seq, num_new_tokens)) is None:
-        if scheduler.policy is SchedulingPolicy.PRIORITY:  # the lowest priority (largest value), latest arrival
-            victim = max(scheduler.running, key=lambda s: (s.priority, s.arrival, s.seq_id))
-        else:  # the last to start running
-            victim = scheduler.running[-1]
+        victim = select_victim(scheduler)
         if victim in out.scheduled_seqs:  # already given tokens this step: take them back
             returned += scheduler._remove_from_batch(out, victim, copies)
         scheduler._preempt_request(victim, out)
         if victim is seq:
             return None, returned
     return seq_copies, returned
-
-
-class PreemptionMode(Enum):
-    """How a preempted group gets its K/V back (vLLM v0's `PreemptionMode`)."""
-
-    SWAP = "swap"  # its blocks copied to the host pool and back
-    RECOMPUTE = "recompute"  # its blocks freed; one prefill computes them again
-
-
-def allocate_or_swap_out(
-    scheduler: SchedulerBase, seq: Sequence, num_new_tokens: int, out: SchedulerOutput,
-    copies: dict[int, list[tuple[int, int]]],
-) -> tuple[list[tuple[int, int]] | None, int]:
-    """`allocate_or_preempt` with a host pool (chapter 11): `select_preemption` names the group that leaves and how,
-    so `seq` may leave with a victim's group as well as by being the victim."""
-    returned = 0
-    while (seq_copies := scheduler.kv_cache_manager.allocate_slots(seq, num_new_tokens)) is None:
-        group, mode = select_preemption(scheduler)
-        if mode is PreemptionMode.SWAP:
-            returned += scheduler._preempt_by_swap(group, out, copies)
-        else:
-            returned += scheduler._preempt_by_recompute(group, out, copies)
-        if seq.status is not SequenceStatus.RUNNING:
-            return None, returned
-    return seq_copies, returned
-
-
-def select_preemption(scheduler: SchedulerBase) -> tuple[list[Sequence], PreemptionMode]:
-    """Which group leaves, and how: the victim's whole group (the running samples of its request, which share blocks),
-    swapped out if the host pool has a block for each of its distinct blocks and the group could come back (its blocks
-    and one more per sequence fit the device pool), else recomputed (the paper's §4.5). The victim is the one
-    `allocate_or_preempt` would choose."""
-    if scheduler.policy is SchedulingPolicy.PRIORITY:
-        victim = max(scheduler.running, key=lambda s: (s.priority, s.arrival, s.seq_id))
-    else:
-        victim = scheduler.running[-1]
-    group = scheduler.group_of(victim)
-    num_blocks = num_group_blocks(group)
-    fits_host = num_blocks <= scheduler.kv_cache_manager.swap_pool.num_free_blocks
-    can_return = num_blocks + len(group) <= scheduler.kv_cache_manager.num_blocks
-    return group, PreemptionMode.SWAP if fits_host and can_return else PreemptionMode.RECOMPUTE
-
-
-def schedule_swapped(
-    scheduler: SchedulerBase, out: SchedulerOutput, budget: int, copies: dict[int, list[tuple[int, int]]]
-) -> int:
-    """After the running sequences: bring swapped-out groups back (`_swap_in_group`), oldest first and none past one
-    that does not fit, while the device has a block for each of a group's blocks and for each sequence's next token,
-    the running set has seats and the step has budget; none in a step that preempted (the memory just freed is the
-    running sequences'). Returns the budget new admissions may use: none while a group is still out (vLLM v0
-    schedules prefills only while nothing is swapped)."""
-    manager = scheduler.kv_cache_manager
-    while scheduler.swapped and budget > 0 and not out.preempted_seq_ids:
-        group = scheduler.swapped[0]
-        seats = sum(1 + len(s.fork_seq_ids) for s in group)
-        if num_group_blocks(group) + len(group) > manager.num_free_blocks:
-            break
-        if scheduler._num_seats() + seats > scheduler.max_num_seqs:
-            break
-        budget = scheduler._swap_in_group(group, out, budget, copies)
-    return 0 if scheduler.swapped else budget
 
 
 class Scheduler(SchedulerBase):
@@ -670,7 +537,7 @@ class Scheduler(SchedulerBase):
 
         # Then swapped-out groups (chapter 11), then waiting sequences, while there is budget, room in the batch and
         # memory. None in a step that preempted: the memory just freed is for the running sequences.
-        budget = self._swap_in(out, budget, copies)
+        budget = self._schedule_swapped(out, budget, copies)
         while not out.preempted_seq_ids and self.waiting and budget > 0 and self.can_admit(self.waiting.peek()):
             seq = self.waiting.peek()
             computed_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(seq)
