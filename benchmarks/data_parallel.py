@@ -18,7 +18,8 @@ its system prompt, still sits in the pool of the replica the turn is placed on.
 
 Rows, all on the same workload in the same run:
 - DP=2 (each replica a worker process with one core's thread) under each placement policy: round-robin,
-  least-loaded (vLLM's score, waiting x 4 + running), prefix (the exact longest cached prefix across pools, from
+  least-loaded (vLLM's score: running + waiting, a waiting request weighing more as its pool fills past half;
+  `ReplicaState.load`), prefix (the exact longest cached prefix across pools, from
   the one block manager's hashes) and approx_prefix (a text-tree router, as SGLang's);
 - DP=1 on both cores with one pool of the same total size: the honest alternative on this machine.
 
@@ -31,8 +32,13 @@ tokens on replica 0; after its first `ITL_WARM_TOKENS` tokens, a `--itl-prefill-
 (or, in the baseline row, a 16-token one). Per row: the decoding request's inter-token latency p50/p99 from then on,
 and the other request's TTFT. A replica that waited for the other's step would show the prefill in its p99.
 
-Where this lives in vLLM: `vllm/v1/engine/core_client.py` (`DPLBAsyncMPClient`, which balances by queue lengths
-and does not see what each rank caches); SGLang's `sgl-router` (cache-aware policy over approximate text trees).
+Where this lives in vLLM (read 2026-12-03, stored copy at commit 00080ee): `vllm/v1/engine/core_client.py`
+(`DPLBAsyncMPClient.get_core_engine_for_request`, which scores each rank by its running and waiting counts and its
+KV cache usage, and does not see what a rank caches). SGLang (read 2026-12-03): the cache-aware policy of its router,
+`sgl-model-gateway/src/policies/cache_aware.rs` (stored copy at b93974f; `sgl-router` before PR #14312), over
+approximate text trees.
+
+A saved result names the commit it was measured at (`commit`, with `+dirty` when the tree had changes).
 """
 
 import argparse
@@ -45,7 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.machine import measured_on
+from benchmarks.machine import measured_on, source_commit
 from solutions import SamplingParams
 from solutions.engine.arg_utils import AsyncEngineArgs
 from solutions.engine.async_llm import AsyncLLM
@@ -189,7 +195,7 @@ async def itl_main_async(args: argparse.Namespace) -> dict:
         llm.shutdown()
     options = {key: value for key, value in vars(args).items() if key != "save"}
     return {"workload": options, "rows": {name: summarize(r) for name, r in runs.items()},
-            **measured_on("benchmarks.data_parallel --itl")}
+            **measured_on("benchmarks.data_parallel --itl"), "commit": source_commit()}
 
 
 def print_itl_table(result: dict) -> None:
@@ -233,7 +239,8 @@ async def main_async(args: argparse.Namespace) -> dict:
             engine.shutdown()
     options = {key: value for key, value in vars(args).items() if key != "save"}
     return {"workload": options | {"blocks_per_replica": blocks, "max_model_len": max_model_len},
-            "rows": {name: summarize(r) for name, r in runs.items()}, **measured_on("benchmarks.data_parallel")}
+            "rows": {name: summarize(r) for name, r in runs.items()}, **measured_on("benchmarks.data_parallel"),
+            "commit": source_commit()}
 
 
 def print_table(result: dict) -> None:

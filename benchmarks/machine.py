@@ -2,6 +2,7 @@
 
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,6 +18,19 @@ def measured_on(module: str) -> dict[str, str]:
     return {"machine": f"{cpu or platform.processor() or 'unknown CPU'}, {os.cpu_count()} logical cores",
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": f"python -m {module} " + " ".join(sys.argv[1:])}
+
+
+def source_commit() -> str:
+    """The short hash of the repository's HEAD, `+dirty` if tracked files differ from it; "unknown" outside git."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
 
 
 def threads_note(fixed: int | None = None) -> str:

@@ -290,11 +290,42 @@ def test_round_robin_takes_each_replica_in_turn_and_skips_the_full_ones():
     assert policy.place(seq, [state(0), state(2)]) == 2  # 1 cannot take it now
 
 
-def test_least_loaded_weighs_a_waiting_sequence_as_four_running_ones():
-    policy, seq = LeastLoadedPolicy(), make_seq(0, [1, 2, 3])
-    assert policy.place(seq, [state(0, running=3), state(1, waiting=1)]) == 0  # 3 < 4
-    assert policy.place(seq, [state(0, running=5), state(1, waiting=1)]) == 1  # 5 > 4
-    assert policy.place(seq, [state(0, running=4), state(1, waiting=1)]) == 0  # a tie: the lowest index
+def pool_state(replica: int, running: int = 0, waiting: int = 0, free: int = 16) -> ReplicaState:
+    """A replica whose pool has 16 blocks, `free` of them free."""
+    return ReplicaState(replica, running, waiting, free, 0, num_blocks=16)
+
+
+def test_the_load_score_weighs_a_waiting_sequence_by_its_pools_kv_cache_usage():
+    # by hand, vLLM's score: running + waiting + waiting * 6 * max(0, usage - 0.5), usage = 1 - free / 16
+    assert pool_state(0, running=3, waiting=2).load == 5  # usage 0
+    assert pool_state(0, running=3, waiting=2, free=8).load == 5  # usage 0.5: no pressure yet
+    assert pool_state(0, running=3, waiting=2, free=4).load == 3 + 2 + 2 * 6 * 0.25  # usage 0.75: 8
+    assert pool_state(0, running=3, waiting=1, free=0).load == 3 + 1 + 3  # full: a waiting one weighs 4
+    assert pool_state(0, running=3, free=0).load == 3  # nobody waiting: no pressure counted
+    assert state(0, running=3, waiting=2).load == 5  # pool size not given: usage 0
+
+
+def test_least_loaded_weighs_a_waiting_sequence_more_as_its_pool_fills():
+    seq = make_seq(0, [1, 2, 3])
+    half_full = [pool_state(0, running=3), pool_state(1, waiting=2, free=8)]  # loads 3 and 2
+    assert LeastLoadedPolicy(2).place(seq, half_full) == 1
+    three_quarters = [pool_state(0, running=3), pool_state(1, waiting=2, free=4)]  # loads 3 and 2 + 3
+    assert LeastLoadedPolicy(2).place(seq, three_quarters) == 0
+
+
+def test_least_loaded_ties_rotate_from_one_placement_to_the_next():
+    policy, seq = LeastLoadedPolicy(3), make_seq(0, [1, 2, 3])
+    everyone = [state(0), state(1), state(2)]
+    assert [policy.place(seq, everyone) for _ in range(4)] == [0, 1, 2, 0]  # scans start at 0, 1, 2, 0
+    assert policy.place(seq, [state(0), state(1, running=1), state(2)]) == 2  # scan from 1: 1 is busier, then 2
+    assert policy.place(seq, [state(0), state(1)]) == 0  # scan from 2, which is not offered: 0 comes next
+    assert policy.place(seq, [state(0, waiting=1), state(1, running=1), state(2)]) == 2  # the least loaded wins
+
+
+def test_the_scheduler_gives_placement_each_pools_size():
+    scheduler = hand_built(2, num_blocks=12)
+    assert [s.num_blocks for s in scheduler.replica_states([0, 0])] == [12, 12]
+    assert all(s.kv_cache_usage == 0 for s in scheduler.replica_states([0, 0]))
 
 
 def test_the_prefix_policy_finds_the_pool_holding_the_longest_prefix():

@@ -2,7 +2,9 @@
 
 Each test grades one exercise (`@pytest.mark.exercise`), called as the engine calls it. The oracles owe nothing to
 the code under test: the replica the `prefix` policy picks, worked out by hand from each replica's load score
-(waiting x 4 + running), its cached blocks, the load cap and the near-tie margin; the cached blocks per pool counted
+(vLLM's, `vllm/v1/engine/core_client.py` at commit 00080ee, read 2026-12-03: running + waiting, each waiting
+sequence weighing 6 x (KV cache usage - 0.5) more once its pool is more than half full), its cached blocks, the
+load cap and the near-tie margin; the cached blocks per pool counted
 by hand from what each hand-built pool was made to hold (the free queues' order, the reference counts and the
 prefix-cache counters read before and after); what a dead replica hands back, in which order and in which state,
 worked out by hand from the queues it had, then every request run to its end on the other replica. The capstone
@@ -75,13 +77,15 @@ BLOCK_SIZE = 4
 # --- place_by_prefix ------------------------------------------------------------------------------------------------
 
 
-def state(replica: int, running: int = 0, waiting: int = 0, cached: int = 0) -> ReplicaState:
-    return ReplicaState(replica, running, waiting, 16, cached)
+def state(replica: int, running: int = 0, waiting: int = 0, cached: int = 0, free: int = 16) -> ReplicaState:
+    """A replica whose pool has 16 blocks, `free` of them free."""
+    return ReplicaState(replica, running, waiting, free, cached, num_blocks=16)
 
 
 def describe_states(states: list[ReplicaState]) -> str:
-    return "; ".join(f"replica {s.replica}: {s.num_running} running, {s.num_waiting} waiting (load {s.load}), "
-                     f"{s.num_cached_blocks} blocks cached" for s in states)
+    return "; ".join(f"replica {s.replica}: {s.num_running} running, {s.num_waiting} waiting, pool "
+                     f"{s.kv_cache_usage:.0%} used (load {s.load:g}), {s.num_cached_blocks} blocks cached"
+                     for s in states)
 
 
 def place(impl, states: list[ReplicaState], load_cap: int = 4, near_tie_blocks: int = 1) -> tuple[int, str]:
@@ -133,11 +137,14 @@ def test_place_by_prefix_takes_the_best_prefix_within_the_cap_not_the_least_load
 
 
 @pytest.mark.exercise("place_by_prefix")
-def test_place_by_prefix_weighs_a_waiting_sequence_as_four_running_ones(impl):
-    got, inputs = place(impl, [state(0, waiting=2, cached=5), state(1, running=3)])
-    expect_equal(got, 1, inputs=f"{inputs}; the replica chosen (load 8 is past the cap: 3 + 4)")
-    got, inputs = place(impl, [state(0, waiting=1, cached=2), state(1, running=3, cached=2)])
-    expect_equal(got, 1, inputs=f"{inputs}; the replica chosen (a tie in cache: load 3 beats load 4)")
+def test_place_by_prefix_weighs_a_waiting_sequence_by_its_pools_usage(impl):
+    got, inputs = place(impl, [state(0, waiting=2, cached=5, free=8), state(1, running=3)])
+    expect_equal(got, 0, inputs=f"{inputs}; the replica chosen (half full: load 2 + 0 = 2, the least; the longest "
+                 "prefix)")
+    got, inputs = place(impl, [state(0, waiting=2, cached=5, free=0), state(1, running=3)])
+    expect_equal(got, 1, inputs=f"{inputs}; the replica chosen (full: load 2 + 2 x 6 x 0.5 = 8, past the cap: 3 + 4)")
+    got, inputs = place(impl, [state(0, waiting=1, cached=2, free=0), state(1, running=3, cached=2)])
+    expect_equal(got, 1, inputs=f"{inputs}; the replica chosen (a tie in cache: load 3 beats load 1 + 3 = 4)")
 
 
 @pytest.mark.exercise("place_by_prefix")
@@ -435,11 +442,14 @@ FIRST_IDS = [0, 1]  # a chat question and a plain text: one on each replica
 SECOND_IDS = [2, 4, 6, 3, 5]  # three chat questions (the first's system prompt is cached on one replica), two texts
 CAPSTONE_TOKENS = 12
 KILL_AT_STEP = 4  # of the second batch: replica 1's worker is SIGKILLed before it
-# Where the second batch is placed (worked out by hand: prompts 2 and 4 go where prompt 0 left the system prompt,
-# until the load cap sends prompt 6 to the other replica; the texts, with nothing cached, to the less loaded), and
-# the prompt tokens the prefix caches supplied over the run, recomputed prompts included. The hits are the
-# reference's: `pytest --impl=reference` and the notebook's nbval run hold them to it.
-CAPSTONE_PLACEMENT = [0, 0, 1, 1, 0]
+# Where the second batch is placed (worked out by hand: the five are placed one after another before the batch's
+# first step, each joining its replica's queue; both pools hold no block then (only cached free ones), so a waiting
+# request weighs one running one. Prompts 2, 4 and 6 go where prompt 0 left the system prompt: replica 0's load is
+# 0, 1, then 2 against 0 there, within the cap of 4. The texts, with nothing cached, go to the less loaded: replica 1
+# (load 0 against 3, then 1 against 3)), and the prompt tokens the prefix caches supplied over the run, recomputed
+# prompts included. The hits are the reference's: `pytest --impl=reference` and the notebook's nbval run hold them
+# to it.
+CAPSTONE_PLACEMENT = [0, 0, 0, 1, 1]
 CAPSTONE_HITS = 72
 
 

@@ -12,7 +12,9 @@ nothing is placed there again.
 
 Where this lives in vLLM: nowhere as one object — each of vLLM's data-parallel ranks is a whole engine core with its
 own scheduler and `KVCacheManager` (`vllm/v1/core/kv_cache_manager.py`), and the front end balances requests over
-them without seeing their caches. SGLang's router (`sgl-router`) sees no cache either, only the text it routed.
+them without seeing their caches. The cache-aware policy of SGLang's router (`sgl-model-gateway`, `sgl-router`
+before PR #14312; `src/policies/cache_aware.rs`, read 2026-12-03 at b93974f) sees no cache either, only the text
+it routed.
 """
 
 from solutions.core.block_hash import extend_block_hashes

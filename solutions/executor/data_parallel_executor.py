@@ -19,10 +19,11 @@ for the engine core, which drops it from the scheduler (its sequences requeued o
 raises is a bug, not a fault: its traceback is raised here. Starting, pinning, sizing and stopping the workers is
 `worker_proc.py`'s, shared with tensor parallelism.
 
-Where this lives in vLLM: `vllm/v1/engine/core_client.py` (`DPLBAsyncMPClient`) and `vllm/v1/engine/core.py`
-(`DPEngineCoreProc`): each data-parallel rank is a whole engine core process with its own scheduler. Dense models'
-ranks run independently, as here; only MoE models' ranks step in lockstep (`DPEngineCoreProc` is used for MoE
-models alone, and its "wave" of dummy batches keeps their expert-parallel collectives aligned). SGLang runs one
+Where this lives in vLLM (read 2026-12-03, stored copy at commit 00080ee): `vllm/v1/engine/core_client.py`
+(`DPLBAsyncMPClient`) and `vllm/v1/engine/core.py` (`DPEngineCoreProc`): each data-parallel rank is a whole engine
+core process with its own scheduler. Dense models' ranks run independently, as here; only MoE models' ranks step in
+lockstep (`DPEngineCoreProc` asserts `model_config.is_moe`, and its "wave" of dummy batches keeps their
+expert-parallel collectives aligned; `docs/serving/data_parallel_deployment.md` says the same). SGLang runs one
 server per replica behind its router.
 """
 

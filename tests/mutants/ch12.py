@@ -56,9 +56,23 @@ def place_near_ties_by_cache(replicas: list[ReplicaState], load_cap: int, near_t
 
 
 def place_counts_sequences(replicas: list[ReplicaState], load_cap: int, near_tie_blocks: int) -> int:
-    """Load as the number of sequences, running + waiting: a waiting one weighs as little as a running one."""
+    """Load as the number of sequences, running + waiting: a waiting one weighs as little as a running one, however
+    full its pool."""
     def load(s: ReplicaState) -> int:
         return s.num_running + s.num_waiting
+
+    low = min(load(s) for s in replicas)
+    candidates = [s for s in replicas if load(s) <= low + load_cap]
+    best = max(s.num_cached_blocks for s in candidates)
+    good = [s for s in candidates if s.num_cached_blocks >= best - near_tie_blocks]
+    return min(good, key=lambda s: (load(s), -s.num_cached_blocks, s.replica)).replica
+
+
+def place_old_score(replicas: list[ReplicaState], load_cap: int, near_tie_blocks: int) -> int:
+    """Load as vLLM's score before PR #49204, waiting x 4 + running, written in instead of `load`: a waiting one
+    weighs four running ones even in an empty pool."""
+    def load(s: ReplicaState) -> int:
+        return s.num_waiting * 4 + s.num_running
 
     low = min(load(s) for s in replicas)
     candidates = [s for s in replicas if load(s) <= low + load_cap]
@@ -252,6 +266,7 @@ MUTANTS = {
     "place_exact_ties_only": {"place_by_prefix": place_exact_ties_only},
     "place_near_ties_by_cache": {"place_by_prefix": place_near_ties_by_cache},
     "place_counts_sequences": {"place_by_prefix": place_counts_sequences},
+    "place_old_score": {"place_by_prefix": place_old_score},
     "place_ties_to_the_first": {"place_by_prefix": place_ties_to_the_first},
     "place_returns_the_position": {"place_by_prefix": place_returns_the_position},
     "place_default_knobs": {"place_by_prefix": place_default_knobs},
@@ -274,7 +289,7 @@ MUTANTS = {
 
 # One mutant per exercise that must also make the capstone fail (its run is in tests/test_grading.py).
 CAPSTONE_MUTANTS = {
-    "place_by_prefix": "place_uncapped",
+    "place_by_prefix": "place_old_score",
     "num_cached_blocks": "cached_touches_the_hits",
     "drop_replica": "drop_keeps_the_computed_tokens",
 }

@@ -16,10 +16,13 @@ because only it sees every pool:
   each engine step merges the steps it starts (`DataParallelSchedulerOutput`) and takes back whichever came back
   (`DataParallelModelRunnerOutput`), the stats summed.
 
-Where this lives in vLLM: `vllm/v1/engine/core_client.py` (`DPLBAsyncMPClient`: N engine cores, each with its own
-`Scheduler`, and the front end picks one per request at arrival, by queue length); SGLang's router does the same in
-front of N servers, by an approximate prefix match. Here the choice is made at admission, one scheduler seeing every
-pool's hashes.
+Where this lives in vLLM (read 2026-12-03, stored copy at commit 00080ee): `vllm/v1/engine/core_client.py`
+(`DPLBAsyncMPClient`: N engine cores, each with its own `Scheduler`; the front end picks one per request at arrival,
+by a load score from each engine's running and waiting counts and KV cache usage, `placement.ReplicaState.load`).
+A dense model's ranks step on their own, as ours do; only a MoE model's ranks run `DPEngineCoreProc`
+(`vllm/v1/engine/core.py`, which asserts `model_config.is_moe`), stepping together, an idle rank running dummy
+batches. SGLang's router (`sgl-model-gateway`) does the same in front of N servers, by an approximate prefix match.
+Here the choice is made at admission, one scheduler seeing every pool's hashes.
 """
 
 import logging
@@ -168,7 +171,8 @@ class DataParallelScheduler:
         return [
             ReplicaState(r, sum(1 + len(s.fork_seq_ids) for s in self.replicas[r].running),
                          sum(1 + len(s.fork_seq_ids) for s in self.replicas[r].waiting),
-                         self.replicas[r].kv_cache_manager.num_free_blocks, cached[r])
+                         self.replicas[r].kv_cache_manager.num_free_blocks, cached[r],
+                         self.replicas[r].kv_cache_manager.num_blocks)
             for r in self.live_replicas
         ]
 

@@ -7,20 +7,24 @@ pool holds skips that prefill there, and nowhere else). Four policies answer the
 replicas)`, from the replicas' state at that moment (`ReplicaState`):
 
     round_robin    replica 0, 1, ..., N - 1, 0, ...: neither load nor cache
-    least_loaded   the smallest `waiting * 4 + running` (vLLM's score for its data-parallel engines)
+    least_loaded   the smallest `ReplicaState.load`, vLLM's score for its data-parallel engines: running + waiting,
+                   a waiting request weighing more as its pool fills past half (see `ReplicaState.load`); ties
+                   rotate, as vLLM's scan start does
     prefix         the pool holding the longest run of the prompt's leading full blocks (exact: their hashes are
                    looked up in each pool), among replicas whose load is within `load_cap` of the least loaded, so
                    one hot prefix cannot pile every request onto one replica; ties and near-ties (within
                    `near_tie_blocks` blocks of the best) go to the least loaded
-    approx_prefix  SGLang's cache-aware router: an approximate tree of the prompts each replica was sent (never told
-                   what the pool evicted); past a match threshold, the best match, else the shortest queue; and the
-                   shortest queue whatever the match while the loads are out of balance
+    approx_prefix  SGLang's cache-aware routing: an approximate tree of the prompts each replica was sent (never
+                   told what the pool evicted); past a match threshold, the best match, else the least loaded; and
+                   the least loaded whatever the match while the loads are out of balance
 
-Where this lives in vLLM: `vllm/v1/engine/core_client.py` (`DPLBAsyncMPClient`, the load score; vLLM places a
-request when it arrives, on one of N engine cores, each with its own scheduler and KV cache, and looks at no cache).
-SGLang: `sgl-router`'s cache-aware policy (`src/policies/cache_aware.rs`, its `tree.rs` the approximate radix tree
-of request text; we store token ids, so "characters" are tokens here). Our scheduler places at admission, with every
-pool's hashes in hand, so the `prefix` policy needs no approximation.
+Where this lives in vLLM (read 2026-12-03, stored copy at commit 00080ee): `vllm/v1/engine/core_client.py`,
+`DPLBAsyncMPClient.get_core_engine_for_request`, the load score. vLLM places a request when it arrives, on one of N
+engine cores, each with its own scheduler and KV cache, and looks at no cache. In SGLang (read 2026-12-03): the
+cache-aware policy of its router, `sgl-router/src/policies/cache_aware.rs` (stored copy at 026f853; its `tree.rs`
+the approximate radix tree of request text; we store token ids, so "characters" are tokens here), renamed
+`sgl-model-gateway/src/policies/cache_aware.rs` by PR #14312 (2025-12-02; stored copy at b93974f). Our scheduler
+places at admission, with every pool's hashes in hand, so the `prefix` policy needs no approximation.
 """
 
 from abc import ABC, abstractmethod
@@ -35,18 +39,49 @@ PLACEMENT_POLICIES = get_args(DataParallelPlacement)
 
 @dataclass(slots=True)
 class ReplicaState:
-    """What a placement policy sees of one live replica when a sequence is placed."""
+    """What a placement policy sees of one live replica when a sequence is placed: its counts at that moment, read
+    from its scheduler and its pool (exact and current, where vLLM's front end works from snapshots the engines
+    publish)."""
 
     replica: int
     num_running: int  # sequences running there (the samples they will fork included)
     num_waiting: int  # sequences placed there and waiting (preempted ones among them)
     num_free_blocks: int  # in its pool (cached free blocks count as free)
     num_cached_blocks: int = 0  # of this sequence's prompt: leading full blocks its pool holds now
+    num_blocks: int | None = None  # its pool's size; None (a state built by hand): its KV cache usage is not known
 
     @property
-    def load(self) -> int:
-        """vLLM's load score of a data-parallel engine: a waiting request weighs four running ones."""
-        return self.num_waiting * 4 + self.num_running
+    def kv_cache_usage(self) -> float:
+        """The share of its pool in use, `1 - num_free_blocks / num_blocks`, as vLLM's `BlockPool.get_usage`
+        (`vllm/v1/core/block_pool.py`; vLLM also leaves its null block out, and we have none). 0.0 where
+        `num_blocks` is not given: no KV pressure is counted for a state built without its pool's size."""
+        if self.num_blocks is None:
+            return 0.0
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    @property
+    def load(self) -> float:
+        """vLLM's load score of a data-parallel engine, as far as one scheduler has its inputs:
+        `running + waiting + waiting * 6 * max(0, kv_cache_usage - 0.5)`.
+
+        vLLM (`vllm/v1/engine/core_client.py`, `DPLBAsyncMPClient.get_core_engine_for_request`, read 2026-12-03 at
+        commit 00080ee; since PR #49204, opened 2026-07-20 and merged) scores an engine
+        `max(client_count * inflight, waiting + running)`, plus `waiting * 6.0 * max(0.0, kv_cache_usage - 0.5)`
+        when it has waiting requests: a queue on an engine whose KV cache is more than half full drains slowly, so
+        each waiting request weighs from 1 (at 50% usage or less) up to 4 (a full pool). Before that PR the score
+        was `waiting * 4 + running` (the score this course used until 2026-12-03).
+
+        `inflight` is the front-end process's own count of its unfinished requests on that engine, and
+        `client_count` the number of front-end (API server) processes: their product estimates what every
+        front end has sent there, a floor that a stale snapshot of `waiting + running` (the engines publish their
+        counts through a coordinator, which broadcasts them about every 100 ms) cannot erase. Here there is one
+        front end and no snapshot: the scheduler reads each replica's queues when it places, so what it has in
+        flight on a replica is exactly what runs and waits there (its swapped sequences aside, which vLLM v1,
+        preempting by recompute into `waiting`, has no counterpart of, and which neither score counts). The floor
+        never exceeds the counts, so that term has no meaning here and is left out.
+        """
+        pressure = max(0.0, self.kv_cache_usage - 0.5)
+        return self.num_running + self.num_waiting + self.num_waiting * 6 * pressure
 
 
 class PlacementPolicy(ABC):
@@ -71,10 +106,23 @@ class RoundRobinPolicy(PlacementPolicy):
 
 
 class LeastLoadedPolicy(PlacementPolicy):
-    """The smallest load score; ties to the lowest index."""
+    """The smallest load score; ties to the first met in a scan that starts one replica further at every placement.
+
+    vLLM scans its engines from `eng_start_index` and keeps the first strict minimum, then moves the start on by one
+    (PR #47420, opened 2026-07-02 and merged): equal scores, common right after a fresh snapshot or while queues are
+    short, are then spread in turn instead of always going to the same engine.
+    """
+
+    def __init__(self, num_replicas: int) -> None:
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+        self.num_replicas = num_replicas
+        self.start = 0  # where the next scan begins: a replica index
 
     def place(self, seq: Sequence, replicas: list[ReplicaState]) -> int:
-        return min(replicas, key=lambda state: (state.load, state.replica)).replica
+        order = sorted(replicas, key=lambda state: (state.replica - self.start) % self.num_replicas)
+        self.start = (self.start + 1) % self.num_replicas
+        return min(order, key=lambda state: state.load).replica  # min keeps the first of equal keys
 
 
 class PrefixAwarePolicy(PlacementPolicy):
@@ -109,7 +157,7 @@ def place_by_prefix(replicas: list[ReplicaState], load_cap: int, near_tie_blocks
 class TokenTree:
     """SGLang's approximate radix tree of one worker, as a trie of token ids: every prompt routed there is inserted;
     nothing is ever learnt about what the pool really keeps. Bounded: past `max_tokens` nodes, the least recently
-    matched leaves are dropped (sgl-router evicts its trees by LRU too)."""
+    matched leaves are dropped (SGLang's router evicts its trees by LRU too)."""
 
     def __init__(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens
@@ -152,16 +200,24 @@ class TokenTree:
 
 
 class ApproxPrefixPolicy(PlacementPolicy):
-    """sgl-router's cache-aware policy over token trees. Out of balance (the loads differ by more than
-    `balance_abs_threshold` and the largest exceeds `balance_rel_threshold` times the smallest): the shortest queue.
+    """SGLang's cache-aware policy over token trees. Out of balance (the loads differ by more than
+    `balance_abs_threshold` and the largest exceeds `balance_rel_threshold` times the smallest): the least loaded.
     Otherwise the replica whose tree matches the most of the prompt if that is more than `cache_threshold` of it,
-    else the shortest queue. The prompt then joins the chosen replica's tree. (sgl-router's defaults: 0.5, 32 and
-    1.0001; below the threshold it picks the smallest tree, where the issue and this course take the shortest
-    queue.)"""
+    else the least loaded. The prompt then joins the chosen replica's tree. A replica's load here is its running
+    and waiting sequences (SGLang's router reads `Worker::load()`).
+
+    What SGLang does below the threshold moved (read 2026-12-03): `sgl-router/src/policies/cache_aware.rs` (stored
+    copy at 026f853) sends the request to the smallest tree (`tree.get_smallest_tenant()`); in
+    `sgl-model-gateway/src/policies/cache_aware.rs` (stored copy at b93974f) it goes to the least loaded healthy
+    worker (PR #14650, "pick min load instead of min tenant size", opened 2025-12-08 and merged), as here. The
+    defaults are those `sgl-model-gateway/bindings/python/sglang_router/router_args.py` gives a user (stored copy at
+    0c02081): `cache_threshold` 0.3, `balance_abs_threshold` 64, `balance_rel_threshold` 1.5. (sgl-router's Rust
+    `CacheAwareConfig::default`, `sgl-router/src/policies/mod.rs` at 08fc574, had 0.5, 32 and 1.1; this course had
+    0.5, 32 and 1.0001 until 2026-12-03.)"""
 
     def __init__(
-        self, num_replicas: int, cache_threshold: float = 0.5, balance_abs_threshold: int = 32,
-        balance_rel_threshold: float = 1.0001, max_tree_tokens: int = 1 << 20,
+        self, num_replicas: int, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
+        balance_rel_threshold: float = 1.5, max_tree_tokens: int = 1 << 20,
     ) -> None:
         self.trees = [TokenTree(max_tree_tokens) for _ in range(num_replicas)]
         self.cache_threshold = cache_threshold
@@ -188,7 +244,7 @@ def create_placement_policy(name: str, num_replicas: int) -> PlacementPolicy:
     if name == "round_robin":
         return RoundRobinPolicy()
     if name == "least_loaded":
-        return LeastLoadedPolicy()
+        return LeastLoadedPolicy(num_replicas)
     if name == "prefix":
         return PrefixAwarePolicy()
     if name == "approx_prefix":
