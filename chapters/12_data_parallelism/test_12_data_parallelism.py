@@ -452,7 +452,7 @@ def capstone_run() -> dict:
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=CAPSTONE_TOKENS, ignore_eos=True)
         first = generate_batch(engine, [(CAPSTONE_PROMPTS[i], greedy) for i in FIRST_IDS])
-        core = engine.engine_core.engine_core
+        client = engine.engine_core  # the in-process core's client: its executor's workers, its scheduler
         for i in SECOND_IDS:
             engine.add_request(f"second-{i}", CAPSTONE_PROMPTS[i], greedy)
 
@@ -464,11 +464,11 @@ def capstone_run() -> dict:
             while engine.has_unfinished_requests():
                 steps += 1
                 if steps == KILL_AT_STEP:
-                    os.kill(core.model_executor.workers[1].pid, signal.SIGKILL)
+                    os.kill(client.model_executor.workers[1].pid, signal.SIGKILL)
                 for out in engine.step():
                     tokens[out.request_id] += out.outputs[0].token_ids
                 if steps == 1:
-                    placed.extend(core.scheduler.requests[f"second-{i}"][0].replica for i in SECOND_IDS)
+                    placed.extend(client.scheduler.requests[f"second-{i}"][0].replica for i in SECOND_IDS)
             return tokens
 
         second = run_bounded(second_batch, 150, what="the capstone's second batch (a replica killed mid-run)",
