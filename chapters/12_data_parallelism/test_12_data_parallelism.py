@@ -473,7 +473,7 @@ def capstone_run() -> dict:
 
         second = run_bounded(second_batch, 150, what="the capstone's second batch (a replica killed mid-run)",
                              likely="a requeued sequence that is never placed again, or placed on the dead replica")
-        scheduler = core.scheduler
+        scheduler = client.scheduler
         return {
             "tokens": [o.outputs[0].token_ids for o in first] + [second[f"second-{i}"] for i in SECOND_IDS],
             "placed": placed, "hits": engine.stats.prefix_cache_hits, "alive": list(scheduler.kv_cache_manager.alive),
