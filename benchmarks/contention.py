@@ -40,7 +40,7 @@ def timed_request(llm: LLM, prompt: str, params: SamplingParams) -> tuple[float,
     start = time.perf_counter()
     llm.generate(prompt, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    return seconds, llm.llm_engine.engine_core.engine_core.model_executor.cpu_threads.num_threads
+    return seconds, llm.llm_engine.engine_core.model_executor.cpu_threads.num_threads
 
 
 def main() -> None:

@@ -178,8 +178,8 @@ def host_time_vs_context(
     llm = LLM(str(tiny_checkpoint("llama-gqa", max_position_embeddings=max_model_len)), block_size=block_size,
               max_num_seqs=num_seqs, max_num_batched_tokens=8192, max_model_len=max_model_len,
               kv_cache_memory_bytes=2**30, enforce_eager=True, seed=0)
-    engine, core = llm.llm_engine, llm.llm_engine.engine_core.engine_core
-    scheduler, block_table = core.scheduler, core.model_executor.model_runner.block_table
+    engine = llm.llm_engine
+    scheduler, block_table = engine.engine_core.scheduler, engine.engine_core.model_executor.model_runner.block_table
     params = SamplingParams(temperature=0.0, max_tokens=512, ignore_eos=True)
     rows = []
     for context_len in context_lens:

@@ -51,7 +51,7 @@ def run_engine(prompts: list[list[int]], max_tokens: int, speculative_config: di
         num_drafts=stats.num_drafts, num_draft_tokens=stats.num_draft_tokens,
         num_accepted_tokens=stats.num_accepted_tokens,
     )
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.model_runner
+    runner = llm.llm_engine.engine_core.model_executor.model_runner
     drafter = runner.drafter
     if drafter is not None:
         config = runner.model.config

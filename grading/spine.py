@@ -4,7 +4,9 @@
 
 Each object is reached from `LLM` by the attribute path shown, and its class and file are read off the object
 itself, so the picture cannot drift from the code: `tests/test_spine.py` draws it again and requires the stored
-page to be the same. The vLLM column is the file where vLLM keeps the same object (vLLM 0.32).
+page to be the same. One row is not an object: the engine core, which its client keeps to itself (the rows under
+it are the parts the client answers for); that row names `EngineCore`, the class whose step the page shows. The
+vLLM column is the file where vLLM keeps the same object (vLLM 0.32).
 """
 
 import inspect
@@ -15,7 +17,9 @@ import solutions
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "spine.md"
 SOLUTIONS = Path(solutions.__file__).resolve().parent
 
-# (attribute path from the LLM, what it owns or does, vLLM's file for the same object)
+CLIENT = "llm_engine.engine_core"  # the engine-core client: it answers for the in-process core's parts below
+# (attribute path from the LLM, what it owns or does, vLLM's file for the same object); the path None is the client's
+# engine core itself, which no caller outside `solutions/engine/` reaches: the rows under it are read through the client
 EDGES = [
     ("llm_engine", "the offline front end: no scheduler, no model", "vllm/v1/engine/llm_engine.py"),
     ("llm_engine.vllm_config", "every option, checked and resolved once (`EngineArgs.create_engine_config()`)",
@@ -23,27 +27,19 @@ EDGES = [
     ("llm_engine.processor", "validates and tokenises a request, once", "vllm/v1/engine/processor.py"),
     ("llm_engine.output_processor", "detokenises, checks stop strings, makes `RequestOutput`s",
      "vllm/v1/engine/output_processor.py"),
-    ("llm_engine.engine_core", "the client: in-process here; a process or a thread under `AsyncLLM`",
+    (CLIENT, "the client: in-process here, it answers for its core's parts; a process or a thread under `AsyncLLM`",
      "vllm/v1/engine/core_client.py"),
-    ("llm_engine.engine_core.engine_core", "owns the step: schedule → execute → sample → update",
-     "vllm/v1/engine/core.py"),
-    ("llm_engine.engine_core.engine_core.scheduler", "decides each step's batch; `update_from_output`",
-     "vllm/v1/core/sched/scheduler.py"),
-    ("llm_engine.engine_core.engine_core.scheduler.waiting", "the waiting queue (FCFS or priority)",
-     "vllm/v1/core/sched/request_queue.py"),
-    ("llm_engine.engine_core.engine_core.scheduler.kv_cache_manager", "blocks for each sequence; prefix caching",
+    (None, "owns the step: schedule → execute → sample → update", "vllm/v1/engine/core.py"),
+    (f"{CLIENT}.scheduler", "decides each step's batch; `update_from_output`", "vllm/v1/core/sched/scheduler.py"),
+    (f"{CLIENT}.scheduler.waiting", "the waiting queue (FCFS or priority)", "vllm/v1/core/sched/request_queue.py"),
+    (f"{CLIENT}.scheduler.kv_cache_manager", "blocks for each sequence; prefix caching",
      "vllm/v1/core/kv_cache_manager.py"),
-    ("llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool", "the blocks and the free queue",
-     "vllm/v1/core/block_pool.py"),
-    ("llm_engine.engine_core.engine_core.structured_output_manager", "grammars and their token masks",
-     "vllm/v1/structured_output/__init__.py"),
-    ("llm_engine.engine_core.engine_core.model_executor", "runs the model on one or several ranks",
-     "vllm/v1/executor/uniproc_executor.py"),
-    ("llm_engine.engine_core.engine_core.model_executor.model_runner", "inputs, forward pass, sampling",
-     "vllm/v1/worker/gpu_model_runner.py"),
-    ("llm_engine.engine_core.engine_core.model_executor.model_runner.model", "the Llama-family model",
-     "vllm/model_executor/models/llama.py"),
-    ("llm_engine.engine_core.engine_core.model_executor.model_runner.kv_cache", "each layer's K and V blocks (vLLM: its `kv_caches`)",
+    (f"{CLIENT}.scheduler.kv_cache_manager.block_pool", "the blocks and the free queue", "vllm/v1/core/block_pool.py"),
+    (f"{CLIENT}.structured_output_manager", "grammars and their token masks", "vllm/v1/structured_output/__init__.py"),
+    (f"{CLIENT}.model_executor", "runs the model on one or several ranks", "vllm/v1/executor/uniproc_executor.py"),
+    (f"{CLIENT}.model_executor.model_runner", "inputs, forward pass, sampling", "vllm/v1/worker/gpu_model_runner.py"),
+    (f"{CLIENT}.model_executor.model_runner.model", "the Llama-family model", "vllm/model_executor/models/llama.py"),
+    (f"{CLIENT}.model_executor.model_runner.kv_cache", "each layer's K and V blocks (vLLM: its `kv_caches`)",
      "vllm/v1/worker/gpu_model_runner.py"),
 ]
 
@@ -54,14 +50,14 @@ def _resolve(root: object, path: str) -> object:
     return root
 
 
-def _file(obj: object) -> str:
-    source = Path(inspect.getsourcefile(type(obj))).resolve()
+def _file(cls: type) -> str:
+    source = Path(inspect.getsourcefile(cls)).resolve()
     return f"solutions/{source.relative_to(SOLUTIONS).as_posix()}"
 
 
 def draw(llm: object) -> str:
     """The page: a tree of the objects an `LLM` holds, then the step's own source."""
-    from solutions.engine.core import engine_step
+    from solutions.engine.core import EngineCore, engine_step
 
     lines = [
         "# The engine's spine",
@@ -71,13 +67,17 @@ def draw(llm: object) -> str:
         "",
         "| object (attribute path from `LLM`) | class | our file | what it owns or does | vLLM |",
         "|---|---|---|---|---|",
-        f"| `llm` | `{type(llm).__name__}` | `{_file(llm)}` | the offline entry point | `vllm/entrypoints/llm.py` |",
+        f"| `llm` | `{type(llm).__name__}` | `{_file(type(llm))}` | the offline entry point "
+        "| `vllm/entrypoints/llm.py` |",
     ]
     for path, role, vllm_file in EDGES:
-        obj = _resolve(llm, path)
-        depth = path.count(".")
-        name = "&nbsp;&nbsp;" * depth + "└ `." + path.rsplit(".", 1)[-1] + "`"
-        lines.append(f"| {name} | `{type(obj).__name__}` | `{_file(obj)}` | {role} | `{vllm_file}` |")
+        if path is None:  # the in-process client's core: the class it builds, whose step the page shows below
+            cls, depth, label = EngineCore, CLIENT.count(".") + 1, "its engine core"
+        else:  # the core's parts (reached through the client) are drawn under the core
+            cls, depth = type(_resolve(llm, path)), path.count(".") + path.startswith(f"{CLIENT}.")
+            label = "`." + path.rsplit(".", 1)[-1] + "`"
+        name = "&nbsp;&nbsp;" * depth + "└ " + label
+        lines.append(f"| {name} | `{cls.__name__}` | `{_file(cls)}` | {role} | `{vllm_file}` |")
     lines += [
         "",
         "The server's `AsyncLLM` (`solutions/engine/async_llm.py`, vLLM's `vllm/v1/engine/async_llm.py`) has the same "

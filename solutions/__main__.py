@@ -32,8 +32,8 @@ def main() -> None:
     start = time.perf_counter()
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     loaded = time.perf_counter()
-    core = engine.engine_core.engine_core  # the in-process engine core, to show what it holds
-    kv_cache_manager, scheduler = core.scheduler.kv_cache_manager, core.scheduler
+    client = engine.engine_core  # the in-process engine core's client, to show what the core holds
+    kv_cache_manager, scheduler = client.scheduler.kv_cache_manager, client.scheduler
     prompts, tokenizer = args.prompts, engine.tokenizer
     if not args.raw and tokenizer is not None and tokenizer.chat_template:
         prompts = [
@@ -44,7 +44,7 @@ def main() -> None:
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
 
-    kv_cache = core.model_executor.model_runner.kv_cache
+    kv_cache = client.model_executor.model_runner.kv_cache
     print(f"model loaded in {loaded - start:.2f} s; KV cache: {kv_cache_manager.num_blocks} blocks of "
           f"{kv_cache_manager.block_size} tokens ({kv_cache.num_bytes / 2**20:.0f} MiB)\n")
     print(" step  prefill  decode  running  waiting  blocks  preempted  cached   ms")

@@ -204,7 +204,7 @@ def test_a_killed_core_process_reaches_every_waiting_caller():
 
 def test_an_exception_in_step_is_fatal_and_carries_its_traceback():
     engine = start("thread")
-    engine.engine_core.engine_core.model_executor.model_runner = None  # the next forward pass raises AttributeError
+    engine.engine_core.model_executor.model_runner = None  # the next forward pass raises AttributeError
 
     async def main():
         with pytest.raises(EngineDeadError, match="AttributeError"):

@@ -125,8 +125,8 @@ def test_beam_groups_are_swapped_out_whole_when_the_cache_is_short(name):
     params = BeamSearchParams(beam_width=3, max_tokens=16, ignore_eos=True)
     llm = LLM(model=str(folder), block_size=4, num_kv_blocks=32, preemption_mode="swap", swap_space=0.01)
     swaps = []
-    core = llm.llm_engine.engine_core.engine_core
-    runner = core.model_executor.model_runner
+    client = llm.llm_engine.engine_core  # the in-process core's client: its scheduler, its model executor
+    runner = client.model_executor.model_runner
     execute = runner.execute_model
 
     def counting(scheduler_output):
@@ -138,8 +138,8 @@ def test_beam_groups_are_swapped_out_whole_when_the_cache_is_short(name):
     assert sum(swaps) > 0, "the cache was large enough: nothing was swapped"
     for prompt, output in zip(prompts, outputs, strict=True):
         assert [beam.tokens for beam in output.sequences] == hf_beams(folder, prompt, 3, 16)
-    assert core.scheduler.kv_cache_manager.num_used_blocks == 0
-    swap_pool = core.scheduler.kv_cache_manager.swap_pool
+    assert client.scheduler.kv_cache_manager.num_used_blocks == 0
+    swap_pool = client.scheduler.kv_cache_manager.swap_pool
     assert swap_pool.num_free_blocks == swap_pool.num_blocks
     with pytest.raises(ValueError, match="cannot hold"):
         LLM(model=str(folder), block_size=4, num_kv_blocks=32).beam_search(prompts, params)
@@ -210,7 +210,7 @@ def test_llm_beam_search_matches_hugging_face_on_smollm2(smollm2, width):
         prompt = smollm2.tokenizer.encode(text)
         assert [s.tokens for s in output.sequences] == hf_beams(folder, prompt, width, 12), text
         assert output.sequences[0].text.startswith(text)
-    assert smollm2.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.num_used_blocks == 0
+    assert smollm2.llm_engine.engine_core.scheduler.kv_cache_manager.num_used_blocks == 0
 
 
 def test_llm_beam_search_stops_at_eos_and_needs_an_idle_engine(smollm2):

@@ -35,8 +35,8 @@ def decode_writes(context_len: int, num_seqs: int = 8, num_steps: int = 12) -> t
     """Per decode step of `num_seqs` sequences of `context_len` prompt tokens (block_size 4): block ids the runner
     wrote, and blocks the sequences gained. Each step's tensor is checked against the lists'."""
     llm = LLM(str(tiny_checkpoint("llama-gqa")), block_size=4, max_num_seqs=num_seqs, max_model_len=512, seed=0)
-    engine, core = llm.llm_engine, llm.llm_engine.engine_core.engine_core
-    runner, scheduler = core.model_executor.model_runner, core.scheduler
+    engine = llm.llm_engine
+    runner, scheduler = engine.engine_core.model_executor.model_runner, engine.engine_core.scheduler
     params = SamplingParams(temperature=0.0, max_tokens=num_steps + 4, ignore_eos=True)
     for i in range(num_seqs):
         engine.add_request(str(i), [(7 * i + j) % 250 + 3 for j in range(context_len)], params)

@@ -22,8 +22,9 @@ NEW_TOKENS = 24
 
 
 def core(llm: LLM):
-    """The engine core behind `llm` (its scheduler, KV cache manager and model executor)."""
-    return llm.llm_engine.engine_core.engine_core
+    """The engine core behind `llm`, through its in-process client: its scheduler (and KV cache manager), its
+    model executor."""
+    return llm.llm_engine.engine_core
 
 
 def mixed_prompts(count: int, vocab_size: int, seed: int = 0) -> list[list[int]]:

@@ -54,7 +54,7 @@ def prompts(vocab_size: int, count: int = 8, seed: int = 0) -> list[list[int]]:
 
 
 def core_of(llm: LLM):
-    return llm.llm_engine.engine_core.engine_core
+    return llm.llm_engine.engine_core  # the client: the core's parts are in this process
 
 
 def assert_no_leak(scheduler: DataParallelScheduler) -> None:

@@ -23,8 +23,9 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def core(llm: LLM):
-    """The engine core behind `llm` (its scheduler, KV cache manager and model executor)."""
-    return llm.llm_engine.engine_core.engine_core
+    """The engine core behind `llm`, through its in-process client: its scheduler (and KV cache manager), its
+    model executor."""
+    return llm.llm_engine.engine_core
 
 
 def runner_of(llm: LLM):

@@ -20,8 +20,9 @@ GREEDY_64 = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 
 
 def core(llm: LLM):
-    """The engine core behind `llm` (its scheduler, KV cache manager and model executor)."""
-    return llm.llm_engine.engine_core.engine_core
+    """The engine core behind `llm`, through its in-process client: its scheduler (and KV cache manager), its
+    model executor."""
+    return llm.llm_engine.engine_core
 
 
 @functools.cache

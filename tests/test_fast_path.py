@@ -26,8 +26,9 @@ HARD = dict(block_size=8, num_kv_blocks=60, max_num_batched_tokens=32, long_pref
 
 
 def core(llm: LLM):
-    """The engine core behind `llm` (its scheduler, KV cache manager and model executor)."""
-    return llm.llm_engine.engine_core.engine_core
+    """The engine core behind `llm`, through its in-process client: its scheduler (and KV cache manager), its
+    model executor."""
+    return llm.llm_engine.engine_core
 
 
 def prompts_with_a_head(count: int, vocab_size: int, seed: int) -> list[list[int]]:

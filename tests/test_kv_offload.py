@@ -175,7 +175,7 @@ def test_a_prefix_the_device_evicted_is_loaded_from_the_host_with_hugging_faces_
     without, prefill_without, _ = evict_then_ask_again(make_llm(False), prompt, prompt)
     assert hits == 40, "every full block before the last token came from the host"
     assert prefill == prefill_without - 40 == 1
-    manager = with_tier.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
+    manager = with_tier.llm_engine.engine_core.scheduler.kv_cache_manager
     assert manager.offloading.stats.num_blocks_stored >= 10
     assert all(block.ref_cnt == 0 for block in manager.offloading.host_pool.blocks)
     assert tokens == without

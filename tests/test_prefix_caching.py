@@ -20,8 +20,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 def core(llm: LLM):
-    """The engine core behind `llm` (its scheduler, KV cache manager and model executor)."""
-    return llm.llm_engine.engine_core.engine_core
+    """The engine core behind `llm`, through its in-process client: its scheduler (and KV cache manager), its
+    model executor."""
+    return llm.llm_engine.engine_core
 
 
 @functools.cache

@@ -112,7 +112,7 @@ def test_prompt_logprobs_survive_a_preemption():
     batch = [list(range(i, i + 50)) for i in (1, 60, 120)]
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, prompt_logprobs=1)
     outputs = llm.generate(batch, params, use_tqdm=False)
-    assert llm.llm_engine.engine_core.engine_core.scheduler.num_preemptions > 0
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
     for prompt, output in zip(batch, outputs, strict=True):
         assert_prompt_logprobs_match(folder, prompt, output.prompt_logprobs, 1)
 

@@ -13,8 +13,9 @@ POLICIES = ("max", "pow2", "oracle")
 
 
 def core(llm: LLM):
-    """The engine core behind `llm` (its scheduler, KV cache manager and model executor)."""
-    return llm.llm_engine.engine_core.engine_core
+    """The engine core behind `llm`, through its in-process client: its scheduler (and KV cache manager), its
+    model executor."""
+    return llm.llm_engine.engine_core
 
 
 def engine_args(**overrides) -> dict:

@@ -36,7 +36,7 @@ COPYING = [  # prompts whose continuation copies earlier text: the n-gram drafts
 
 
 def core(llm: LLM):
-    return llm.llm_engine.engine_core.engine_core
+    return llm.llm_engine.engine_core  # the client: the core's parts are in this process
 
 
 def tiny_prompts(count: int, seed: int = 0) -> list[list[int]]:

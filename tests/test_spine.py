@@ -5,12 +5,15 @@ import ast
 import pickle
 from pathlib import Path
 
+import pytest
+
 from grading.spine import PAGE, build
 from solutions import SamplingParams
 from solutions.core.kv_cache_manager import KVCacheManager
 from solutions.core.sched.output import ModelRunnerOutput, sampling_rows
 from solutions.core.sched.scheduler import Scheduler
 from solutions.core.sequence import Sequence
+from solutions.engine.core_client import MPClient
 from solutions.utils.math_utils import cdiv
 from solutions.worker.cached_requests import CachedRequests, StepEncoder
 
@@ -26,6 +29,10 @@ FRONT_ENDS = [*sorted((SOLUTIONS / "entrypoints").rglob("*.py")), *(
 )]
 # The config is read by every layer, so it imports none of the layers that read it (the runner above all).
 CONFIGS = [SOLUTIONS / "config.py", SOLUTIONS / "engine" / "arg_utils.py"]
+REPOSITORY = SOLUTIONS.parent
+# The folders whose code and notebooks reach the engine core from outside it, and the one allowed to hold it.
+CALLERS = ["solutions", "grading", "tests", "benchmarks", "chapters", "kernels", "docs"]
+ENGINE = SOLUTIONS / "engine"
 
 
 def test_the_stored_spine_is_the_one_the_engine_draws_now():
@@ -86,6 +93,31 @@ def test_the_config_imports_no_layer_that_reads_it():
     the workers: what they check (the attention backends, the policies) is named below them."""
     found = imports_of(CONFIGS, ("solutions.worker", "solutions.executor", "solutions.core"))
     assert not found, "the config imports a layer that reads it:\n" + "\n".join(found)
+
+
+def test_nothing_outside_the_engine_reaches_past_the_client():
+    """Tests, the grader, benchmarks and chapters read the core's parts through its client (`scheduler`,
+    `model_executor`, `structured_output_manager`, `has_unfinished_requests()`), which says so when the core runs
+    in another process, never through the in-process core the client holds."""
+    reach = ".".join(["engine_core"] * 2)  # built, so that this file does not match itself
+    paths = [
+        path for folder in CALLERS for path in sorted((REPOSITORY / folder).rglob("*"))
+        if path.suffix in (".py", ".ipynb") and not path.is_relative_to(ENGINE)
+        and not any(part.startswith(".") for part in path.relative_to(REPOSITORY).parts)
+    ]
+    found = [
+        f"{path.relative_to(REPOSITORY)}:{number}"
+        for path in paths for number, line in enumerate(path.read_text().splitlines(), start=1) if reach in line
+    ]
+    assert not found, f"read the core's parts through the client, not `{reach}`:\n" + "\n".join(found)
+
+
+def test_a_client_whose_core_is_in_another_process_names_the_alternative():
+    client = MPClient.__new__(MPClient)  # no process started: the parts are refused before any is looked for
+    for read in (lambda: client.scheduler, lambda: client.model_executor, lambda: client.structured_output_manager,
+                 client.has_unfinished_requests):
+        with pytest.raises(RuntimeError, match=r"MPClient\..*another process.*engine_core=\"thread\""):
+            read()
 
 
 def decode_steps_through_a_worker_pipe(context_len: int, num_seqs: int = 64, steps: int = 3) -> list[int]:

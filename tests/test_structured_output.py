@@ -155,7 +155,7 @@ def test_preemption_prefix_caching_and_streaming_keep_the_grammar_in_step():
              for rid, (prompt, params) in requests.items()}
     engine = tight_engine()
     got = stream(engine, requests)
-    scheduler = engine.engine_core.engine_core.scheduler
+    scheduler = engine.engine_core.scheduler
     assert scheduler.num_preemptions > 0, "the tight cache should have forced preemptions"
     cached = sum(step.num_cached_tokens for step in engine.stats.steps)
     assert cached > 0, "the shared prompt should hit the prefix cache"
@@ -187,7 +187,7 @@ def test_a_constraint_that_does_not_compile_is_refused_and_disturbs_nothing():
         with pytest.raises(ParameterError, match=rf"StructuredOutputsParams\.{field} is not valid") as refused:
             engine.add_request("bad", "x", SamplingParams(structured_outputs=StructuredOutputsParams(**constraint)))
         assert refused.value.parameter == "structured_outputs"
-        assert list(engine.engine_core.engine_core.scheduler.requests) == ["ok"]
+        assert list(engine.engine_core.scheduler.requests) == ["ok"]
         assert list(engine.output_processor.request_states) == ["ok"]
     tokens, text, finish = stream(engine, {})["ok"]
     (alone,) = llm().generate([JSON_PROMPT], constrained(None, json=PERSON), use_tqdm=False)

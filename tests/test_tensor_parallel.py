@@ -54,7 +54,7 @@ def test_two_ranks_give_one_ranks_tokens_and_hugging_faces(model):
     two = LLM(path, tensor_parallel_size=2, **HARD)
     try:
         greedy_two, sampled_two = sampled_token_ids(two, batch, GREEDY), sampled_token_ids(two, batch, SAMPLED)
-        scheduler = two.llm_engine.engine_core.engine_core.scheduler
+        scheduler = two.llm_engine.engine_core.scheduler
         assert scheduler.num_preemptions > 0, "the tight KV cache should have preempted"
     finally:
         two.llm_engine.shutdown()
@@ -85,7 +85,7 @@ def test_two_ranks_verify_drafts_as_one_rank_without_them_and_hugging_face(model
     try:
         ours = sampled_token_ids(two, batch, params)
         stats = two.llm_engine.stats
-        assert two.llm_engine.engine_core.engine_core.scheduler.num_preemptions > 0, "the tight KV cache preempts"
+        assert two.llm_engine.engine_core.scheduler.num_preemptions > 0, "the tight KV cache preempts"
     finally:
         two.llm_engine.shutdown()
     assert stats.num_draft_tokens > stats.num_accepted_tokens > 0, "drafts were verified, some accepted"
@@ -132,7 +132,7 @@ def test_forked_workers_give_spawns_tokens_and_run_this_processs_code_and_a_dead
     path, batch = str(tiny_checkpoint("llama-gqa")), [[5, 6, 7], [9, 10, 11, 12, 13]]
     threads = torch.get_num_threads()
     spawned = LLM(path, tensor_parallel_size=2, max_model_len=64)
-    executor = spawned.llm_engine.engine_core.engine_core.model_executor
+    executor = spawned.llm_engine.engine_core.model_executor
     try:
         want = sampled_token_ids(spawned, batch, GREEDY)
         executor.workers[0].kill()

@@ -604,7 +604,7 @@ def test_capstone_beam_search_on_smollm2_gives_hugging_faces_beams(impl):
                 f"on input {inputs}: {error}. Hugging Face's beams never hold more than 19 blocks at once: yours "
                 "share fewer blocks than they should (other beams, or blocks that are never freed)"
             ) from None
-        manager = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
+        manager = llm.llm_engine.engine_core.scheduler.kv_cache_manager
         used, copied = manager.num_used_blocks, manager.num_blocks_copied
     for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
         expect_equal([seq.tokens[len(prompt):] for seq in output.sequences], smollm2_beams(i),
@@ -628,7 +628,7 @@ def test_capstone_prefix_caching_and_parallel_sampling_give_hugging_faces_tokens
               "blocks; every exercise of the chapter in place of the reference")
     with swap_in(impl, REFERENCE):
         llm = capstone_llm(GREEDY_KV_BLOCKS)
-        manager = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
+        manager = llm.llm_engine.engine_core.scheduler.kv_cache_manager
         stats = manager.prefix_cache_stats
         first = llm.generate([p[0], p[2]], greedy, use_tqdm=False)
         hits_first = stats.hits
@@ -636,7 +636,7 @@ def test_capstone_prefix_caching_and_parallel_sampling_give_hugging_faces_tokens
         on = (manager.num_used_blocks, manager.num_blocks_copied, stats.num_requests, hits_first, stats.hits - hits_first)
         llm_off = capstone_llm(GREEDY_KV_BLOCKS, enable_prefix_caching=False)
         off = llm_off.generate([Q1, Q2, Q3], greedy, use_tqdm=False)
-        used_off = llm_off.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.num_used_blocks
+        used_off = llm_off.llm_engine.engine_core.scheduler.kv_cache_manager.num_used_blocks
 
     def tokens(output) -> list[list[int]]:
         return [completion.token_ids for completion in output.outputs]

@@ -540,7 +540,7 @@ def generated_tokens(llm) -> float:
 async def until_idle(llm, seconds: float = 20.0) -> None:
     """Wait until the core has no unfinished request (an aborted one leaves before the core's next step)."""
     deadline = time.monotonic() + seconds
-    while llm.engine_core.engine_core.has_unfinished_requests() and time.monotonic() < deadline:
+    while llm.engine_core.has_unfinished_requests() and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
 
 

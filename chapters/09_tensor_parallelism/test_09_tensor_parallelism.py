@@ -482,7 +482,7 @@ def test_execute_model_in_lockstep_reports_a_dead_worker_by_name(impl):
     with swap_in(impl, {"execute_model_in_lockstep": REFERENCE["execute_model_in_lockstep"]}):
         llm = start_ranks()
         try:
-            worker = llm.llm_engine.engine_core.engine_core.model_executor.workers[0]
+            worker = llm.llm_engine.engine_core.model_executor.workers[0]
             worker.kill()
             expect_dead_worker_named(llm, "LLM.generate at tensor_parallel_size=2 after tp-worker-1 was killed, "
                                           "with your execute_model_in_lockstep")
@@ -517,7 +517,7 @@ def test_worker_busy_loop_stops_cleanly_at_shutdown(impl):
     require_written(impl, "worker_busy_loop", None, None)
     with swap_in(impl, {"worker_busy_loop": REFERENCE["worker_busy_loop"]}):
         llm = start_ranks()
-        workers = llm.llm_engine.engine_core.engine_core.model_executor.workers
+        workers = llm.llm_engine.engine_core.model_executor.workers
         try:
             generate_bounded(llm, "LLM.generate at tensor_parallel_size=2 with your worker_busy_loop")
         finally:
@@ -585,7 +585,7 @@ def test_capstone_your_pieces_on_two_ranks_give_hugging_faces_tokens_on_smollm2(
             model="smollm2-135m", tensor_parallel_size=2, worker_multiproc_method="fork", **CAPSTONE_ENGINE,
         ))
         try:
-            runner = engine.engine_core.engine_core.model_executor.model_runner  # rank 0's
+            runner = engine.engine_core.model_executor.model_runner  # rank 0's
             kv_heads = runner.kv_cache.key_caches[0].shape[2]  # (blocks, block_size, Hkv, D)
             greedy = SamplingParams(temperature=0.0, max_tokens=CAPSTONE_TOKENS, ignore_eos=True)
             outputs = run_bounded(lambda: generate_batch(engine, [(prompt, greedy) for prompt in prompts]), 240,

@@ -541,7 +541,7 @@ def capstone_run() -> tuple[list[list[int]], tuple[int, int], int, int]:
     engine = LLMEngine.from_engine_args(EngineArgs(**CAPSTONE_ENGINE))
     requests = [(CAPSTONE_PROMPTS[i], GREEDY) for i in CAPSTONE_IDS] + [(CAPSTONE_PROMPTS[CAPSTONE_SAMPLED], SAMPLED)]
     outputs = generate_batch(engine, requests)
-    manager = engine.engine_core.engine_core.scheduler.kv_cache_manager
+    manager = engine.engine_core.scheduler.kv_cache_manager
     stats = (engine.stats.num_draft_tokens, engine.stats.num_accepted_tokens)
     largest_step = max(s.num_prefill_tokens + s.num_decode_tokens for s in engine.stats.steps)
     return [o.outputs[0].token_ids for o in outputs], stats, largest_step, manager.num_used_blocks

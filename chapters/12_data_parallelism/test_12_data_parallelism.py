@@ -464,7 +464,7 @@ def capstone_run() -> dict:
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=CAPSTONE_TOKENS, ignore_eos=True)
         first = generate_batch(engine, [(CAPSTONE_PROMPTS[i], greedy) for i in FIRST_IDS])
-        core = engine.engine_core.engine_core
+        client = engine.engine_core  # the in-process core's client: its executor's workers, its scheduler
         for i in SECOND_IDS:
             engine.add_request(f"second-{i}", CAPSTONE_PROMPTS[i], greedy)
 
@@ -476,16 +476,16 @@ def capstone_run() -> dict:
             while engine.has_unfinished_requests():
                 steps += 1
                 if steps == KILL_AT_STEP:
-                    os.kill(core.model_executor.workers[1].pid, signal.SIGKILL)
+                    os.kill(client.model_executor.workers[1].pid, signal.SIGKILL)
                 for out in engine.step():
                     tokens[out.request_id] += out.outputs[0].token_ids
                 if steps == 1:
-                    placed.extend(core.scheduler.requests[f"second-{i}"][0].replica for i in SECOND_IDS)
+                    placed.extend(client.scheduler.requests[f"second-{i}"][0].replica for i in SECOND_IDS)
             return tokens
 
         second = run_bounded(second_batch, 150, what="the capstone's second batch (a replica killed mid-run)",
                              likely="a requeued sequence that is never placed again, or placed on the dead replica")
-        scheduler = core.scheduler
+        scheduler = client.scheduler
         return {
             "tokens": [o.outputs[0].token_ids for o in first] + [second[f"second-{i}"] for i in SECOND_IDS],
             "placed": placed, "hits": engine.stats.prefix_cache_hits, "alive": list(scheduler.kv_cache_manager.alive),

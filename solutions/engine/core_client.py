@@ -48,12 +48,17 @@ import traceback
 import weakref
 from abc import ABC, abstractmethod
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from solutions.config import VllmConfig
 from solutions.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 from solutions.engine.core import EngineCore, EngineCoreProc, EngineCoreReady, EngineDead, OutputMessage
 from solutions.executor.abstract import Executor
+
+if TYPE_CHECKING:  # the front ends hold a client, never the core's parts: these are names for the hints only
+    from solutions.core.sched.data_parallel_scheduler import DataParallelScheduler
+    from solutions.core.sched.scheduler import Scheduler
+    from solutions.structured_output import StructuredOutputManager
 
 STARTUP_TIMEOUT_SECONDS = 300.0  # building the engine: imports, loading weights (the first SmolLM2 load converts it)
 POLL_SECONDS = 0.1  # the longest a reader waits before checking that the core is still alive
@@ -61,7 +66,15 @@ SHUTDOWN_TIMEOUT_SECONDS = 10.0  # for the core to finish its current step and e
 
 
 class EngineCoreClient(ABC):
-    """Send requests to the engine core, read its messages back."""
+    """Send requests to the engine core, read its messages back.
+
+    Where the core runs in this process (`InprocClient`, `ThreadClient`), the client also answers for its parts:
+    `scheduler`, `model_executor`, `structured_output_manager` and `has_unfinished_requests()`, read by the tests,
+    the grader, the benchmarks and `python -m solutions` (a front end uses none of them). They are the core's own
+    objects, not copies; under `ThreadClient` the core's thread changes them while you read. `MPClient`'s core is in
+    another process, so they raise there instead."""
+
+    engine_core: EngineCore | None = None  # the core itself where it runs in this process; None in `MPClient`
 
     @staticmethod
     def make_client(engine_core: str, vllm_config: VllmConfig, executor_class: type[Executor]) -> "EngineCoreClient":
@@ -80,13 +93,41 @@ class EngineCoreClient(ABC):
         """The core's next message, waiting at most `timeout` seconds (None if none came); `EngineDead` once the
         core has stopped, whether it said so or died silently."""
 
-
     @abstractmethod
     def shutdown(self) -> None:
         """Stop the core and release its queues (and process). Idempotent."""
 
     @abstractmethod
     def _send(self, message: tuple) -> None: ...
+
+    # --- the core's parts, where it runs in this process ----------------------------------------------------------
+
+    @property
+    def scheduler(self) -> "Scheduler | DataParallelScheduler":
+        """The core's scheduler (and through it `kv_cache_manager`, `requests`, `waiting`, `running`)."""
+        return self._core_in_this_process("scheduler").scheduler
+
+    @property
+    def model_executor(self) -> Executor:
+        """The core's executor (and through it `model_runner`, or `workers` with several ranks or replicas)."""
+        return self._core_in_this_process("model_executor").model_executor
+
+    @property
+    def structured_output_manager(self) -> "StructuredOutputManager":
+        """The core's grammars and their token masks."""
+        return self._core_in_this_process("structured_output_manager").structured_output_manager
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether the core's scheduler still holds an unfinished request (`LLMEngine`'s answer is its front end's)."""
+        return self._core_in_this_process("has_unfinished_requests()").has_unfinished_requests()
+
+    def _core_in_this_process(self, what: str) -> EngineCore:
+        if self.engine_core is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.{what}: the engine core runs in another process, so its parts are not here; "
+                'build the engine with engine_core="thread" (or use the offline LLMEngine) to read them'
+            )
+        return self.engine_core
 
 
 # --- the core called directly ------------------------------------------------------------------------------------
