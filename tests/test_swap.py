@@ -69,7 +69,7 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, limit: int =
 
 
 def core(llm: LLM):
-    return llm.llm_engine.engine_core.engine_core
+    return llm.llm_engine.engine_core
 
 
 def record_outputs(llm: LLM) -> list:

@@ -898,10 +898,10 @@ def hf_oracle(folder):
 
 
 def engine_and_core(folder, **engine_args) -> tuple[LLMEngine, core_module.EngineCore]:
-    """An `LLM`'s front end (to add requests: validated and tokenised by its processor) and its in-process
-    engine core (`llm.llm_engine.engine_core.engine_core`), which the tests step."""
+    """An `LLM`'s front end (to add requests: validated and tokenised by its processor) and its in-process client
+    (`llm.llm_engine.engine_core`), which lends the tests its core's scheduler and executor to step."""
     engine = LLM(model=str(folder), **engine_args).llm_engine
-    return engine, engine.engine_core.engine_core
+    return engine, engine.engine_core
 
 
 def run_core(step, core, limit: int = 300, likely: str = "") -> tuple[dict[str, list[list[int]]], list[SchedulerStats]]:
@@ -1001,7 +1001,7 @@ CHOICES = ["London", "Berlin"]  # both wrong: unconstrained, SmolLM2 answers "Th
 def test_engine_step_samples_a_constrained_request_within_its_grammar(impl):
     engine = LLMEngine.from_engine_args(EngineArgs(model="smollm2-135m", block_size=16, num_kv_blocks=32,
                                                    max_model_len=256))
-    core = engine.engine_core.engine_core
+    core = engine.engine_core  # the in-process client: its core's scheduler and executor
     constrained = SamplingParams(temperature=0.0, max_tokens=8,
                                  structured_outputs=StructuredOutputsParams(choice=CHOICES))
     engine.add_request("choice", CAPSTONE_PROMPTS[0], constrained)
@@ -1262,7 +1262,7 @@ def test_capstone_a_preemption_storm_on_smollm2_gives_hugging_faces_tokens(impl)
     # penalties and engine_step: the engine is built inside, so its core is made of them.
     with swap_in(impl, REFERENCE) as mine:
         engine = capstone_engine()
-        core = engine.engine_core.engine_core
+        core = engine.engine_core  # the in-process client: its core's scheduler and executor
         steps = record_schedules(core)
         tokens: dict[int, list[int]] = {}
         for wave in CAPSTONE_WAVES:

@@ -483,7 +483,7 @@ def capstone_swap_run() -> tuple[list[list[list[int]]], int, int, int, int]:
     ))
     requests = [(CAPSTONE_PROMPTS[i], greedy(CAPSTONE_TOKENS, CAPSTONE_N.get(i, 1))) for i in CAPSTONE_IDS]
     outputs = generate_batch(engine, requests)
-    scheduler = engine.engine_core.engine_core.scheduler
+    scheduler = engine.engine_core.scheduler
     tokens = [[sample.token_ids for sample in output.outputs] for output in outputs]
     host = scheduler.kv_cache_manager.swap_pool
     return tokens, engine.stats.num_preemptions, engine.stats.num_swapped_out, \
@@ -501,7 +501,7 @@ def capstone_offload_run() -> tuple[list[list[int]], int, int]:
     for ids in (OFFLOAD_FIRST, OFFLOAD_BETWEEN):
         generate_batch(engine, [(CAPSTONE_PROMPTS[i], greedy(OFFLOAD_TOKENS)) for i in ids])
     outputs = generate_batch(engine, [(CAPSTONE_PROMPTS[i], greedy(OFFLOAD_TOKENS)) for i in OFFLOAD_FIRST])
-    host = engine.engine_core.engine_core.scheduler.kv_cache_manager.offloading.host_pool
+    host = engine.engine_core.scheduler.kv_cache_manager.offloading.host_pool
     held = sum(block.ref_cnt > 0 for block in host.blocks)
     return [output.outputs[0].token_ids for output in outputs], engine.stats.external_prefix_cache_hits, held
 

@@ -50,6 +50,7 @@ import torch
 from solutions.beam_search import BeamSearchParams, BeamSearchSequence, run_beam_search
 from solutions.config import VllmConfig
 from solutions.core.sched.data_parallel_scheduler import DataParallelScheduler
+from solutions.core.sched.scheduler import Scheduler
 from solutions.core.sched.swapping_scheduler import scheduler_cls
 from solutions.core.sequence import Sequence, SequenceStatus
 from solutions.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
@@ -132,7 +133,17 @@ class EngineCore:
         self.structured_output_manager.shutdown()
 
 
-def engine_step(core: EngineCore) -> EngineCoreOutputs:
+class EngineParts(Protocol):
+    """What one engine step reads of its core: an `EngineCore`, or an in-process client, which lends its core's."""
+
+    @property
+    def scheduler(self) -> Scheduler | DataParallelScheduler: ...
+
+    @property
+    def model_executor(self) -> Executor: ...
+
+
+def engine_step(core: EngineParts) -> EngineCoreOutputs:
     """One engine step over one flattened batch: schedule → execute → sample → update."""
     start = time.perf_counter()
     scheduler_output = core.scheduler.schedule()
