@@ -197,7 +197,7 @@ def test_padded_decode_path_gives_the_eager_tokens_and_serves_every_decode_step(
     runner = runner_of(llm)
     assert runner.cuda_graphs is None, "no graphs when eager"
     runner.cuda_graphs = CUDAGraphRunner(runner.model, runner.kv_cache, max_num_seqs=8, max_model_len=128,
-                                         block_size=16, capture=False)
+                                         block_size=16, forward_logits=runner.forward_logits, capture=False)
     assert greedy_tokens(llm) == want
     assert runner.cuda_graphs.num_replays == GREEDY.max_tokens - 1, "every step after the prefill is a pure decode"
 
@@ -214,7 +214,7 @@ def test_compiled_forward_in_the_padded_decode_path_gives_the_eager_tokens():
     runner.compiled_forward = CompiledForward(runner.model)
     runner.warm_up()  # as a GPU's runner does before capturing: dummy prefill and decode steps, compiled
     runner.cuda_graphs = CUDAGraphRunner(runner.model, runner.kv_cache, max_num_seqs=8, max_model_len=128,
-                                         block_size=16, capture=False, compiled_forward=runner.compiled_forward)
+                                         block_size=16, forward_logits=runner.forward_logits, capture=False)
     assert greedy_tokens(llm) == want
     assert runner.cuda_graphs.num_replays == GREEDY.max_tokens - 1
     assert runner.compiled_forward.compile_seconds > 0, "the forward pass ran compiled"
@@ -228,10 +228,14 @@ def test_padding_rows_never_write_the_cache():
     for cache in kv_cache.key_caches + kv_cache.value_caches:
         cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(0)))
     before = [cache.clone() for cache in kv_cache.key_caches + kv_cache.value_caches]
-    graphs = CUDAGraphRunner(model, kv_cache, max_num_seqs=8, max_model_len=16, block_size=4, capture=False)
+    def eager(input_ids, positions, last_rows, backend):
+        return model.compute_logits(model(input_ids, positions, backend)[last_rows])
+
+    graphs = CUDAGraphRunner(model, kv_cache, max_num_seqs=8, max_model_len=16, block_size=4, forward_logits=eager,
+                             capture=False)
     metadata = decode_metadata([[5, 2], [3], [1, 4]], [6, 3, 5])  # 3 sequences, bucket 4: one padding row
-    hidden = graphs.run(torch.tensor([9, 8, 7]), torch.tensor([5, 2, 4]), metadata)  # host inputs, as the engine gives
-    assert hidden.shape == (3, model.config.hidden_size) and torch.isfinite(hidden).all()
+    logits = graphs.run(torch.tensor([9, 8, 7]), torch.tensor([5, 2, 4]), metadata)  # host inputs, as the engine gives
+    assert logits.shape == (3, model.config.vocab_size) and torch.isfinite(logits).all()
     written = set(metadata.slot_mapping.tolist())
     for old, new in zip(before, kv_cache.key_caches + kv_cache.value_caches):
         changed = (old != new).flatten(2).any(-1).flatten().cpu()  # (num_blocks * block_size,) slots that changed

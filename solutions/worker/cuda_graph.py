@@ -20,24 +20,29 @@ So, as vLLM and nano-vllm do:
   decode steps larger than the largest graph. `enforce_eager=True` turns graphs off; on the CPU there are none.
 - only the Triton backend: its launches read their metadata from device tensors. The torch backend's batched
   gather would copy every sequence's context out of the cache at the graph's fixed, maximal width.
-- what is captured: the compiled forward pass when there is one (`compiled_forward.py`: norms, rotary, SwiGLU and
-  residuals fused by inductor into a few Triton kernels a layer, attention an opaque op calling the Triton backend,
-  the LM head included, so a graph's output is the rows' logits); the eager model otherwise (its hidden states).
+- what is captured: the runner's forward callable, the compiled forward pass when there is one
+  (`compiled_forward.py`: norms, rotary, SwiGLU and residuals fused by inductor into a few Triton kernels a layer,
+  attention an opaque op calling the Triton backend), the eager model otherwise; the LM head included either way,
+  so a graph's output is the rows' logits.
   A graph replays kernels, not Python: it cannot shorten a long chain of tiny kernels, only the time between them.
 
 Where this lives in vLLM: `vllm/v1/worker/gpu_model_runner.py` (`capture_model`, `_dummy_run`), the sizes in
 `vllm/config` (`cudagraph_capture_sizes`); nano-vllm: `ModelRunner.capture_cudagraph`.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from solutions.attention.backend import AttentionBackend
 from solutions.attention.paged import AttentionMetadata, KVCache
 from solutions.attention.triton_backend import TritonAttentionBackend
 from solutions.model.llama import LlamaForCausalLM
-from solutions.worker.compiled_forward import CompiledForward
 from solutions.utils.math_utils import cdiv
+
+# A step's forward pass as the runner calls it: (input_ids, positions (T,), last_rows (B,), backend) -> logits (B, V)
+ForwardLogits = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionBackend], torch.Tensor]
 
 PAD_SLOT_ID = -1  # a padding token's slot: the store kernel skips it
 
@@ -107,15 +112,16 @@ class CUDAGraphRunner:
 
     `capture=False` keeps the same static-buffer path without graphs: every step then runs the padded forward
     eagerly. That is how the CPU tests check the padding (tokens unchanged, the cache untouched by padding rows)
-    where CUDA is absent; on a GPU `ModelRunner` always captures. With `compiled_forward` the graphs hold the
-    compiled forward pass and the LM head (`run` returns logits); without, the eager model (hidden states).
+    where CUDA is absent; on a GPU `ModelRunner` always captures. The graphs hold the runner's one forward callable,
+    `forward_logits` (the compiled forward pass and the LM head, or the eager model and its head): `run` returns
+    logits.
     """
 
     def __init__(
         self, model: LlamaForCausalLM, kv_cache: KVCache, max_num_seqs: int, max_model_len: int, block_size: int,
-        capture: bool = True, compiled_forward: CompiledForward | None = None,
+        forward_logits: ForwardLogits, capture: bool = True,
     ) -> None:
-        self.model, self.kv_cache, self.compiled_forward = model, kv_cache, compiled_forward
+        self.kv_cache, self.forward_logits = kv_cache, forward_logits
         self.sizes = capture_sizes(max_num_seqs)
         self.max_blocks = cdiv(max_model_len, block_size)
         weight = model.model.embed_tokens.weight
@@ -127,8 +133,7 @@ class CUDAGraphRunner:
         self.seq_lens = torch.ones(rows, dtype=torch.int32, device=device)  # (N,)
         self.block_tables = torch.zeros(rows, self.max_blocks, dtype=torch.int32, device=device)  # (N, max_blocks)
         self.rows = torch.arange(rows, device=device)  # (N,) every row is a last row: one token per sequence
-        width = model.config.vocab_size if compiled_forward else model.config.hidden_size
-        self.output = torch.zeros(rows, width, dtype=weight.dtype, device=device)  # (N, V) logits or (N, D_model)
+        self.output = torch.zeros(rows, model.config.vocab_size, dtype=weight.dtype, device=device)  # (N, V) logits
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.num_replays = 0  # steps served by a graph (or, with capture=False, by the padded eager path)
         if capture:
@@ -140,10 +145,7 @@ class CUDAGraphRunner:
             self.kv_cache, self.slot_mapping[:num_rows], self.block_tables[:num_rows], self.seq_lens[:num_rows]
         )
         input_ids, positions = self.input_ids[:num_rows], self.positions[:num_rows]
-        if self.compiled_forward is None:
-            self.output[:num_rows] = self.model(input_ids, positions, backend)
-        else:
-            self.output[:num_rows] = self.compiled_forward(input_ids, positions, self.rows[:num_rows], backend)
+        self.output[:num_rows] = self.forward_logits(input_ids, positions, self.rows[:num_rows], backend)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -166,9 +168,8 @@ class CUDAGraphRunner:
         return 0 < num_seqs <= self.sizes[-1] and int(metadata.query_start_loc[-1]) == num_seqs
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """Logits (B, V) with a compiled forward, else final hidden states (B, D_model), of a pure-decode step (host
-        inputs), by replaying the graph of its bucket. The result is a view of the static output buffer: valid
-        until the next step."""
+        """Logits (B, V) of a pure-decode step (host inputs), by replaying the graph of its bucket. The result is
+        a view of the static output buffer: valid until the next step."""
         num_seqs = input_ids.shape[0]
         size = bucket_for(num_seqs, self.sizes)
         padded = pad_decode_batch(input_ids, positions, metadata, size, self.max_blocks)

@@ -37,9 +37,11 @@ Where this lives in vLLM: `vllm/v1/worker/gpu_model_runner.py` (`_prepare_inputs
 """
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
+from solutions.attention.backend import AttentionBackend
 from solutions.attention.paged import AttentionMetadata, KVCache, copy_blocks
 from solutions.attention.registry import get_attention_backend
 from solutions.config import SpeculativeConfig, VllmConfig
@@ -56,6 +58,9 @@ from solutions.spec_decode.draft_model import DraftModelProposer
 from solutions.spec_decode.ngram_proposer import NgramProposer
 from solutions.structured_output.bitmask import apply_token_bitmask
 from solutions.worker.block_table import BlockTable
+
+if TYPE_CHECKING:  # the graph runner imports Triton: only on a GPU
+    from solutions.worker.cuda_graph import ForwardLogits
 
 
 def prepare_inputs(
@@ -199,8 +204,7 @@ class ModelRunner:
                 from solutions.worker.cuda_graph import CUDAGraphRunner  # imports Triton: only when asked
 
                 self.cuda_graphs = CUDAGraphRunner(
-                    model, self.kv_cache, max_num_seqs, max_model_len, block_size,
-                    compiled_forward=self.compiled_forward,
+                    model, self.kv_cache, max_num_seqs, max_model_len, block_size, self.forward_logits
                 )
 
     @classmethod
@@ -320,6 +324,17 @@ class ModelRunner:
                 logprobs[i], gathered = gathered[: len(sampled_token_ids[i])], gathered[len(sampled_token_ids[i]) :]
         return sampled_token_ids, logprobs
 
+    @property
+    def forward_logits(self) -> "ForwardLogits":
+        """The step's one forward callable, logits (B, V) at the last rows: the compiled forward pass, or the eager
+        model and its LM head (`enforce_eager`, or a device the backend does not compile on)."""
+        return self._eager_logits if self.compiled_forward is None else self.compiled_forward
+
+    def _eager_logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, last_rows: torch.Tensor, backend: AttentionBackend
+    ) -> torch.Tensor:
+        return self.model.compute_logits(self.model(input_ids, positions, backend)[last_rows])  # (B, V)
+
     def forward(
         self, scheduler_output: SchedulerOutput, seconds: dict[str, float] | None = None,
         extra_rows: torch.Tensor | None = None,
@@ -338,20 +353,12 @@ class ModelRunner:
             last_rows = torch.cat([last_rows, extra_rows])  # (B + E,)
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(metadata):  # a pure decode: replay
             prepared = time.perf_counter()
-            output = self.cuda_graphs.run(input_ids, positions, metadata)  # B == T rows: logits, or hidden states
-            if self.cuda_graphs.compiled_forward is not None:
-                logits = output[last_rows]  # (B, V)
-            else:
-                logits = self.model.compute_logits(output[last_rows])  # (B, V)
+            logits = self.cuda_graphs.run(input_ids, positions, metadata)[last_rows]  # B == T rows: (B, V)
         else:
             backend = self.backend_cls(self.kv_cache, metadata)  # copies the metadata it needs to the device
             input_ids, positions = input_ids.to(self.device), positions.to(self.device)  # (T,), (T,)
             prepared = time.perf_counter()
-            if self.compiled_forward is not None:
-                logits = self.compiled_forward(input_ids, positions, last_rows.to(self.device), backend)  # (B, V)
-            else:
-                hidden = self.model(input_ids, positions, backend)  # (T, D_model)
-                logits = self.model.compute_logits(hidden[last_rows])  # (B, V)
+            logits = self.forward_logits(input_ids, positions, last_rows.to(self.device), backend)  # (B, V)
         if seconds is not None:
             seconds["prepare"] += prepared - start
             seconds["forward"] += time.perf_counter() - prepared
