@@ -122,3 +122,10 @@ def load_mutants(chapter: str) -> dict[str, dict[str, Any]]:
 def load_capstone_mutants(chapter: str) -> dict[str, str]:
     """exercise -> the name of one of its mutants that must make the chapter's capstone fail (`CAPSTONE_MUTANTS`)."""
     return getattr(_mutants_module(chapter), "CAPSTONE_MUTANTS", {})
+
+
+def load_decisive(chapter: str) -> dict[str, list[str]]:
+    """exercise -> the reference statements its question is about (`DECISIVE`, beside the mutants). They live on
+    the grader's side because a learner reads the chapter's test file: no Hint 2, and nothing under chapters/, may
+    show them (tests/test_hints.py)."""
+    return getattr(_mutants_module(chapter), "DECISIVE", {})

@@ -43,12 +43,6 @@ def chapter_reference(chapter: str) -> dict[str, Any]:
     return _chapter_tests(chapter).REFERENCE
 
 
-def chapter_decisive(chapter: str) -> dict[str, list[str]]:
-    """The `DECISIVE` mapping declared by a chapter's test file: exercise -> the reference statements its question
-    is about (none of which its Hint 2 may show)."""
-    return getattr(_chapter_tests(chapter), "DECISIVE", {})
-
-
 def injected_notebook(chapter: str) -> nbformat.NotebookNode:
     """The chapter's notebook with the reference's source in its exercise cells."""
     nb = nbformat.read(chapter_dir(chapter) / f"{chapter}.ipynb", as_version=4)

@@ -9,31 +9,44 @@ Both sides are parsed with `ast`, docstrings and decorators dropped. Three rules
   `ast.unparse` writes it (a compound statement by its header alone: `if x > 0:`, `for b in blocks:`), compared with
   blank space normalised; a placeholder anywhere in a hint's line (`x = ...`) makes it a different statement, so
   gaps count for the learner and shown lines against the hint, however many `...` the hint carries elsewhere;
-- it shows one of the statements the exercise's question is about: the chapter's test file lists them per exercise
-  (`DECISIVE`, beside `REFERENCE`), each of which must be a statement of the reference, so the list cannot go stale.
+- it shows one of the statements the exercise's question is about: the grader lists them per exercise (`DECISIVE`
+  in tests/mutants/ch<NN>.py, beside the wrong answers), each of which must be a statement of the reference, so the
+  list cannot go stale.
+
+Those statements are the answers, so they stay out of what a learner reads: no file under chapters/ (the test files
+a traceback sends them to, the notebooks' cells and stored outputs, the data files) may state one.
 """
 
 import ast
 import difflib
 import functools
 import inspect
+import json
 import re
 import textwrap
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import nbformat
 import pytest
 
 from grading import CHAPTERS
-from grading.notebook import EXERCISE_TAG, defined_names
-from grading.notebooks import chapter_decisive, chapter_reference
+from grading.impl import load_decisive
+from grading.notebook import EXERCISE_TAG, defined_names, exercise_cells
+from grading.notebooks import chapter_reference
 
 SIMILARITY_LIMIT = 0.9
 SHOWN_LIMIT = 0.5  # a hint showing this share of the reference's statements, or more, gives the answer away
 _GAP_COMMENT = re.compile(r"#.*\b(todo|your|fill)\b", re.IGNORECASE)
 _HINT_2 = re.compile(r"<summary>\s*Hint 2.*?</details>", re.DOTALL)
 _CODE_BLOCK = re.compile(r"```(?:python)?\n(.*?)```", re.DOTALL)
+
+
+@functools.cache
+def chapter_decisive(chapter: str) -> dict[str, list[str]]:
+    """exercise -> the statements its question is about, from tests/mutants/ch<NN>.py (not from chapters/)."""
+    return load_decisive(chapter)
 
 
 def chapter_names() -> list[str]:
@@ -182,10 +195,13 @@ def test_hint_2_is_not_the_reference(chapter, names, blocks):
 
 
 def decisive_statements(chapter: str, name: str) -> list[str]:
-    """The statements exercise `name`'s question is about (the test file's `DECISIVE`), each checked to be one of
-    the reference's statements."""
+    """The statements exercise `name`'s question is about (`DECISIVE` in tests/mutants/ch<NN>.py), each checked to
+    be one of the reference's statements."""
     listed = chapter_decisive(chapter).get(name)
-    assert listed, f"{chapter}: exercise {name} has no entry in the test file's DECISIVE (the lines it is about)"
+    assert listed, (
+        f"{chapter}: exercise {name} has no entry in DECISIVE of tests/mutants/ch{chapter[:2]}.py (the lines it is "
+        "about)"
+    )
     normalised = [" ".join(line.split()) for line in listed]
     stale = [line for line in normalised if line not in reference_statements(chapter, name)]
     assert not stale, f"{chapter}: DECISIVE[{name!r}] lists lines that are not statements of its reference: {stale}"
@@ -205,6 +221,135 @@ def shown_statements(blocks: list[str], references: list[Counter[str]]) -> tuple
     reference = sum(references, Counter())
     hint = sum((hint_statements(code) for code in blocks), Counter())
     return list((reference & hint).elements()), sum(reference.values())
+
+
+# --- nothing under chapters/ states a decisive line ----------------------------------------------------------------
+
+_SKIPPED_DIRS = {"__pycache__", ".ipynb_checkpoints", ".pytest_cache"}
+
+
+class KnownLeak(Exception):
+    """Only the leaks listed in KNOWN_LEAKS: an xfail that any other hit turns into a failure."""
+
+
+# Files that state decisive lines today, found when the lists moved out of chapters/: the statements each shows.
+# Rewriting the prose (or the test) around them is the fix; then the test passes, strict xfail fails, and the entry
+# goes.
+KNOWN_LEAKS: dict[str, set[str]] = {
+    "04_copy_on_write_and_sharing/04_copy_on_write_and_sharing.ipynb": {
+        "self.free_block_queue.append(block)",  # BlockPool's Hint 2, in a comment: `# at 0: self.free_block_queue...`
+    },
+    "06_triton_paged_attention/06_triton_paged_attention.ipynb": {  # the split kernel's segment bounds, in the prose
+        "split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N",
+        "split_end = tl.minimum(split_start + split_len, seq_len)",
+    },
+    "07_serving/07_serving.ipynb": {"await llm.abort(request_id)"},  # generate's abort, in the API's description
+    "07_serving/test_07_serving.py": {"task.cancel()"},  # until_disconnected's line, in the tests' own client code
+    "09_tensor_parallelism/09_tensor_parallelism.ipynb": {"worker.send_step(scheduler_output)"},  # in the prose
+}
+
+
+@functools.cache
+def all_decisive() -> dict[str, list[str]]:
+    """Every chapter's decisive statements, whitespace-normalised -> the exercises ("ch04:BlockPool") listing it."""
+    found: dict[str, list[str]] = {}
+    for chapter in chapter_names():
+        for name, lines in chapter_decisive(chapter).items():
+            for line in lines:
+                found.setdefault(" ".join(line.split()), []).append(f"ch{chapter[:2]}:{name}")
+    return found
+
+
+@functools.cache
+def _decisive_pattern(statement: str) -> re.Pattern[str]:
+    """`statement` in whitespace-normalised text, whole: not the tail of an attribute chain or a longer name, and not
+    the start of a longer expression (`n` in `n + 1`, `f(x)` in `f(x).y`); prose or a next line may follow."""
+    return re.compile(r"(?<![\w.])" + re.escape(statement) + r"(?![\w.(\[])(?! ?[-+*/%@&|^<>=!~])")
+
+
+def decisive_hits(text: str, code: bool, decisive: dict[str, list[str]] | None = None) -> set[str]:
+    """The decisive statements `text` states: as text once blank space is normalised, and for code (`code`) also as
+    statements however they are laid out (`hint_statements`: quotes, wrapping, parentheses)."""
+    decisive = all_decisive() if decisive is None else decisive
+    normalised = " ".join(text.split())
+    hits = {line for line in decisive if _decisive_pattern(line).search(normalised)}
+    if code:
+        hits |= decisive.keys() & hint_statements(text).keys()
+    return hits
+
+
+def _output_texts(output: nbformat.NotebookNode) -> list[str]:
+    """The text a stored output shows: stream text, text/* and JSON data, an error's value and traceback."""
+    texts = [output.get("text", ""), output.get("evalue", ""), "\n".join(output.get("traceback", []))]
+    for mime, data in output.get("data", {}).items():
+        if mime.startswith("text/") or mime.endswith("json"):
+            texts.append(data if isinstance(data, str) else json.dumps(data))
+    return [t for t in texts if t]
+
+
+def file_texts(path: Path) -> list[tuple[str, str, bool]]:
+    """(where, text, is it code) for everything a learner can read in `path`. A notebook gives each cell's source
+    and stored outputs, except the sources of its exercise cells while they are all stubs (the shipped notebook):
+    what a stub gives is the exercise's frame, and the hint rule above judges the skeleton."""
+    if path.suffix != ".ipynb":
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:  # an image or other binary asset: nothing to read as text
+            return []
+        return [(path.name, text, path.suffix == ".py")]
+    nb = nbformat.read(path, as_version=4)
+    exercises = {id(cell) for cell in exercise_cells(nb)}
+    shipped_stub = all("NotImplementedError" in cell.source for cell in exercise_cells(nb))
+    found = []
+    for i, cell in enumerate(nb.cells):
+        if not (shipped_stub and id(cell) in exercises):
+            found.append((f"{path.name} cell {i} ({cell.cell_type})", cell.source, cell.cell_type == "code"))
+            if cell.cell_type == "markdown":
+                blocks = _CODE_BLOCK.findall(cell.source)
+                found += [(f"{path.name} cell {i}, a code block", block, True) for block in blocks]
+        outputs = [text for output in cell.get("outputs", []) for text in _output_texts(output)]
+        found += [(f"{path.name} cell {i}, an output", text, False) for text in outputs]
+    return found
+
+
+def file_hits(path: Path) -> dict[str, set[str]]:
+    """where in `path` -> the decisive statements stated there."""
+    return {where: hits for where, text, code in file_texts(path) if (hits := decisive_hits(text, code))}
+
+
+CHAPTER_FILES = sorted(
+    p.relative_to(CHAPTERS).as_posix() for p in CHAPTERS.rglob("*")
+    if p.is_file() and not _SKIPPED_DIRS.intersection(p.relative_to(CHAPTERS).parts)
+)
+
+
+@pytest.mark.parametrize("relative", [
+    pytest.param(relative, marks=pytest.mark.xfail(
+        strict=True, raises=KnownLeak,
+        reason=f"states {len(KNOWN_LEAKS[relative])} decisive line(s) (KNOWN_LEAKS); a new one fails outright",
+    )) if relative in KNOWN_LEAKS else relative
+    for relative in CHAPTER_FILES
+])
+def test_no_file_under_chapters_states_a_decisive_line(relative):
+    hits = file_hits(CHAPTERS / relative)
+    stated = set().union(*hits.values())
+    new = {where: sorted(lines - KNOWN_LEAKS.get(relative, set())) for where, lines in hits.items()}
+    new = {where: lines for where, lines in new.items() if lines}
+    assert not new, "\n".join(
+        f"chapters/{relative}: {where} states decisive line(s) {lines} "
+        f"({', '.join(e for line in lines for e in all_decisive()[line])}): a learner reading it has the answer. "
+        "Leave them to tests/mutants/ (the grader's side)." for where, lines in new.items()
+    )
+    if stated:
+        raise KnownLeak(f"chapters/{relative} states {len(stated)} known decisive line(s): {sorted(stated)}")
+
+
+def test_every_chapter_file_is_read():
+    """The scan covers the chapters' test files, notebooks and data files (it found something to read in each)."""
+    suffixes = Counter(Path(relative).suffix for relative in CHAPTER_FILES)
+    assert suffixes[".py"] >= 12 and suffixes[".ipynb"] >= 12 and suffixes[".json"] >= 1, suffixes
+    assert all(file_texts(CHAPTERS / relative) for relative in CHAPTER_FILES if relative.endswith((".py", ".ipynb")))
+    assert not any("DECISIVE" in (CHAPTERS / r).read_text() for r in CHAPTER_FILES if r.endswith(".py"))
 
 
 # --- the check itself can fail ------------------------------------------------------------------------------------
@@ -251,3 +396,30 @@ def test_a_hint_2_showing_a_decisive_line_is_caught():
     assert with_one != gaps, f"the decisive line {decisive[0]!r} is not a line of the reference's body"
     hinted = sum(map(hint_statements, ["\n".join(with_one)]), Counter())
     assert decisive[0] in hinted and not any(line in hint_statements("\n".join(gaps)) for line in decisive)
+
+
+def test_a_file_under_chapters_stating_a_decisive_line_is_caught(tmp_path):
+    """A decisive line in a test file (re-wrapped), a markdown cell, a hint's code block or a stored output is caught;
+    the same line in a stub's exercise cell is not read; a longer statement that merely starts like one is no hit."""
+    line = chapter_decisive("03_block_manager")["generate_paged"][1]
+    assert line == "seq.num_computed_tokens += n"
+    fake = tmp_path / "test_fake.py"
+    fake.write_text("def test_it(seq, n):\n    seq.num_computed_tokens  +=  (\n        n\n    )\n")
+    assert file_hits(fake) == {"test_fake.py": {line}}
+    fake.write_text("def test_it(seq, n):\n    seq.num_computed_tokens += num_new\n"
+                    "    seq.num_computed_tokens += n + 1  # not: seq.num_computed_tokens += n * 2\n")
+    assert file_hits(fake) == {}
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell(f"def f(seq, n):\n    {line}\n    raise NotImplementedError",
+                                  metadata={"tags": ["exercise"]}),
+        nbformat.v4.new_markdown_cell(f"Then `{line}` moves the sequence on."),
+        nbformat.v4.new_markdown_cell(f"<summary>Hint 2</summary>\n\n```python\n{line}\n```\n</details>"),
+        nbformat.v4.new_code_cell("demo()", outputs=[nbformat.v4.new_output("stream", text=f"ran: {line}\n")]),
+    ])
+    path = tmp_path / "fake.ipynb"
+    nbformat.write(nb, path)
+    assert sorted(file_hits(path)) == ["fake.ipynb cell 1 (markdown)", "fake.ipynb cell 2 (markdown)",
+                                       "fake.ipynb cell 2, a code block", "fake.ipynb cell 3, an output"]
+    nb.cells[0].source = f"def f(seq, n):\n    {line}"  # filled in: no longer the shipped stub, so it is read
+    nbformat.write(nb, path)
+    assert "fake.ipynb cell 0 (code)" in file_hits(path)

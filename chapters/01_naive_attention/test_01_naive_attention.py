@@ -26,38 +26,6 @@ REFERENCE = {
     "generate_naive": naive.generate_naive,
 }
 
-# The statements each exercise's question is about, as `ast.unparse` writes them (a compound statement by its
-# header): Hint 2 may show none of them (tests/test_hints.py).
-DECISIVE = {
-    "rms_norm": [
-        'variance = x32.pow(2).mean(dim=-1, keepdim=True)',
-        'return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)',
-    ],
-    "apply_rope": [
-        'rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)',
-        'return x * cos[:, None, :] + rotated * sin[:, None, :]',
-    ],
-    "repeat_kv": [
-        'return x.repeat_interleave(num_queries_per_kv, dim=1)',
-    ],
-    "causal_attention": [
-        'query_pos = torch.arange(Tk - Tq, Tk, device=q.device)[:, None]',
-        "scores = scores.masked_fill(key_pos > query_pos, float('-inf'))",
-    ],
-    "decoder_layer": [
-        'q, k = (apply_rope(q, cos, sin), apply_rope(k, cos, sin))',
-        'return hidden + layer.mlp(x)',
-    ],
-    "forward": [
-        'hidden = decoder_layer(layer, positions, hidden)',
-        'return model.lm_head(rms_norm(hidden, norm.weight, norm.eps))',
-    ],
-    "generate_naive": [
-        'logits = forward(model, torch.tensor(token_ids))',
-        'token_ids.append(int(logits[-1].argmax()))',
-    ],
-}
-
 pytestmark = pytest.mark.timeout(60)
 
 

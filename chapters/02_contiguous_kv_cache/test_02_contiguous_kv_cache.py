@@ -27,26 +27,6 @@ REFERENCE = {
     "generate_with_cache": contiguous_cache.generate_with_cache,
 }
 
-# The statements each exercise's question is about, as `ast.unparse` writes them (a compound statement by its
-# header): Hint 2 may show none of them (tests/test_hints.py).
-DECISIVE = {
-    "ContiguousKVCache": [
-        'if int(positions.max()) >= self.max_len:',
-        'return (self.keys[layer_idx][:length], self.values[layer_idx][:length])',
-    ],
-    "prefill": [
-        'positions = torch.arange(len(prompt_ids))',
-        'return model.compute_logits(hidden[-1:])[0]',
-    ],
-    "decode_step": [
-        'hidden = model(torch.tensor([token_id]), torch.tensor([position]), ContiguousAttention(cache, position))',
-    ],
-    "generate_with_cache": [
-        'for position in range(len(prompt_ids), len(prompt_ids) + max_new_tokens - 1):',
-        'new_tokens.append(int(decode_step(model, cache, new_tokens[-1], position).argmax()))',
-    ],
-}
-
 pytestmark = pytest.mark.timeout(60)
 
 PROMPT = [5, 17, 42, 99, 3, 250, 64]

@@ -38,28 +38,6 @@ REFERENCE = {
     "until_disconnected": serving_engine.until_disconnected,
 }
 
-# The statements each exercise's question is about, as `ast.unparse` writes them (a compound statement by its
-# header): Hint 2 may show none of them (tests/test_hints.py).
-DECISIVE = {
-    "run_busy_loop": [
-        'while not core.has_unfinished_requests():',
-        'message = input_queue.get(block=False)',
-    ],
-    "RequestOutputCollector": [
-        'if self._output is not None and self._output.finished:',
-        'self._output = output if self._output is None else merge_delta(self._output, output)',
-    ],
-    "generate": [
-        'finished = output.finished',
-        'if not finished:',
-        'await llm.abort(request_id)',
-    ],
-    "until_disconnected": [
-        'await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)',
-        'task.cancel()',
-    ],
-}
-
 pytestmark = pytest.mark.timeout(60)
 
 

@@ -44,31 +44,6 @@ REFERENCE = {
     "execute_model_in_lockstep": multiproc_executor.execute_model_in_lockstep,
     "worker_busy_loop": multiproc_executor.worker_busy_loop,
 }
-
-# The statements each exercise's question is about, as `ast.unparse` writes them (a compound statement by its
-# header): Hint 2 may show none of them (tests/test_hints.py).
-DECISIVE = {
-    "partition": [
-        'replicas = tp_size // kv',
-        'kv_ranges = [(r // replicas, r // replicas + 1) for r in range(tp_size)]',
-        'if tp_size % kv or group % (tp_size // kv):',
-    ],
-    "RowParallelLinear": [
-        'out = all_reduce(F.linear(x, self.weight))',
-        'return out if self.bias is None else out + self.bias',
-    ],
-    "VocabParallelEmbedding": [
-        'mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)',
-        'return all_reduce(rows * mine[:, None].to(rows.dtype))',
-    ],
-    "execute_model_in_lockstep": [
-        'worker.send_step(scheduler_output)',
-        'return model_runner.execute_model(scheduler_output)',
-    ],
-    "worker_busy_loop": [
-        'while (scheduler_output := channel.recv_step()) is not None:',
-    ],
-}
 DTYPES = (torch.float32, torch.bfloat16)
 STEP_TIMEOUT_SECONDS = 10.0  # the group's collective timeout in the engine tests: a stuck step fails in seconds
 

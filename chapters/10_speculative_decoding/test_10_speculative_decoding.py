@@ -36,31 +36,6 @@ REFERENCE = {
     "hand_back_rejected_drafts": scheduler_module.hand_back_rejected_drafts,
 }
 
-# The statements each exercise's question is about, as `ast.unparse` writes them (a compound statement by its
-# header): Hint 2 may show none of them (tests/test_hints.py).
-DECISIVE = {
-    "NgramProposer": [
-        "if longest < self.min_n:",
-        "start = int(np.argmax(match_len == longest)) + 1",
-        "return tokens[start:start + self.k].tolist()",
-    ],
-    "rejection_random_sample": [
-        "uniform = torch.rand(num_drafts + 1, generator=generator).to(device)",
-        "accept = (uniform[:num_drafts] * q_of_draft < target_probs[positions, drafts]).tolist()",
-        "num_accepted = accept.index(False) if False in accept else num_drafts",
-        "residual = (p - q).clamp(min=0.0)",
-        "final = int(inverse_cdf(weights[None], uniform[num_drafts:])[0])",
-    ],
-    "num_scheduled_spec_tokens": [
-        "room = min(token_budget, long_prefill_token_threshold) - 1",
-        "room = min(room, max_model_len - seq.num_tokens - 1)",
-    ],
-    "hand_back_rejected_drafts": [
-        "seq.num_computed_tokens = min(start + num_sampled, seq.num_tokens)",
-        "kv_cache_manager.cache_blocks(seq, start, seq.num_computed_tokens)",
-    ],
-}
-
 pytestmark = pytest.mark.timeout(60)
 
 

@@ -35,35 +35,6 @@ REFERENCE = {
 reference_prepare_store = offload_manager.prepare_store  # taken at load time: inside the capstone's `swap_in` the
 # attribute is yours
 
-# The statements each exercise's question is about, as `ast.unparse` writes them (a compound statement by its
-# header): Hint 2 may show none of them (tests/test_hints.py).
-DECISIVE = {
-    "select_preemption": [
-        "group = scheduler.group_of(select_victim(scheduler))",
-        "fits_host = num_blocks <= scheduler.kv_cache_manager.swap_pool.num_free_blocks",
-        "can_return = num_blocks + len(group) <= scheduler.kv_cache_manager.num_blocks",
-    ],
-    "schedule_swapped": [
-        "while scheduler.swapped and budget > 0 and (not out.preempted_seq_ids):",
-        "group = scheduler.swapped[0]",
-        "if num_group_blocks(group) + len(group) > manager.num_free_blocks:",
-        "return 0 if scheduler.swapped else budget",
-    ],
-    "prepare_store": [
-        "if offloading.host_pool.get_cached_block(block_hash) is not None:",
-        "offloading.touch([block_hash])",
-        "if offloading.host_pool.num_free_blocks == 0:",
-        "host, = offloading.host_pool.get_new_blocks(1)",
-    ],
-    "get_num_new_matched_tokens": [
-        "first = num_computed_tokens // block_size",
-        "last = (num_tokens - 1) // block_size",
-        "hits = block_hashes[first:first + offloading.lookup(block_hashes[first:last])]",
-        "offloading.touch(hits)",
-        "offloading.stats.queries += num_tokens - num_computed_tokens",
-    ],
-}
-
 pytestmark = pytest.mark.timeout(60)
 
 BLOCK_SIZE = 4

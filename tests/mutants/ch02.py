@@ -218,3 +218,24 @@ CAPSTONE_MUTANTS = {
     "decode_step": "decode_step_rotates_at_position_zero",
     "generate_with_cache": "generate_with_cache_decodes_at_the_prompt_length",
 }
+
+# The statements each exercise's question is about, as `ast.unparse` writes them (a compound statement by its
+# header). Hint 2 may show none of them, and nothing under chapters/ may state them (tests/test_hints.py): they
+# live here, beside the wrong answers, because a learner reads the chapter's test file.
+DECISIVE = {
+    "ContiguousKVCache": [
+        'if int(positions.max()) >= self.max_len:',
+        'return (self.keys[layer_idx][:length], self.values[layer_idx][:length])',
+    ],
+    "prefill": [
+        'positions = torch.arange(len(prompt_ids))',
+        'return model.compute_logits(hidden[-1:])[0]',
+    ],
+    "decode_step": [
+        'hidden = model(torch.tensor([token_id]), torch.tensor([position]), ContiguousAttention(cache, position))',
+    ],
+    "generate_with_cache": [
+        'for position in range(len(prompt_ids), len(prompt_ids) + max_new_tokens - 1):',
+        'new_tokens.append(int(decode_step(model, cache, new_tokens[-1], position).argmax()))',
+    ],
+}

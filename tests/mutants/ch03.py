@@ -508,3 +508,37 @@ CAPSTONE_MUTANTS = {
     "paged_attention": "paged_attention_over_new_tokens_only",
     "generate_paged": "generate_paged_logits_of_the_first_new_token",
 }
+
+# The statements each exercise's question is about, as `ast.unparse` writes them (a compound statement by its
+# header). Hint 2 may show none of them, and nothing under chapters/ may state them (tests/test_hints.py): they
+# live here, beside the wrong answers, because a learner reads the chapter's test file.
+DECISIVE = {
+    "FreeKVCacheBlockQueue": [
+        'next_.prev_free_block = prev',
+        'block.prev_free_block = block.next_free_block = None',
+        'self.tail.prev_free_block = block',
+    ],
+    "BlockManager": [
+        'num_missing = cdiv(seq.num_tokens, self.block_size) - len(seq.block_table)',
+        'self.block_pool.free_blocks((blocks[block_id] for block_id in reversed(seq.block_table)))',
+    ],
+    "slot_mapping": [
+        'return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]',
+    ],
+    "write_to_kv_cache": [
+        'key_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = k',
+    ],
+    "gather_kv": [
+        'blocks = cache[torch.tensor(block_table, dtype=torch.long)]',
+        'return blocks.flatten(0, 1)[:seq_len]',
+    ],
+    "paged_attention": [
+        'rows = slice(starts[b], starts[b + 1])',
+        'keys = gather_kv(key_cache, block_table, seq_len)',
+    ],
+    "generate_paged": [
+        'logits = model.compute_logits(hidden[metadata.query_start_loc[1:] - 1])',
+        'seq.num_computed_tokens += n',
+        'block_manager.append_slot(seq)',
+    ],
+}

@@ -485,3 +485,32 @@ CAPSTONE_MUTANTS = {
     "copy_blocks": "copy_blocks_keys_only",  # the copied partial block has no values: other beams, other tokens
     "beam_search_step": "beam_step_best_token_per_beam",  # not Hugging Face's beams
 }
+
+# The statements each exercise's question is about, as `ast.unparse` writes them (a compound statement by its
+# header). Hint 2 may show none of them, and nothing under chapters/ may state them (tests/test_hints.py): they
+# live here, beside the wrong answers, because a learner reads the chapter's test file.
+DECISIVE = {
+    "BlockPool": [
+        'if block.ref_cnt == 0:',
+        'self.free_block_queue.append(block)',
+        'self.free_block_queue.remove(block)',
+    ],
+    "hash_block_tokens": [
+        'parent = NONE_HASH if parent_block_hash is None else parent_block_hash',
+        "return hashlib.sha256(parent + array('q', token_ids).tobytes()).digest()",
+    ],
+    "KVCacheManager": [
+        'if src.ref_cnt < 2:',
+        'max_blocks = (seq.num_tokens - 1) // self.block_size',
+        'num_revived = sum((block.ref_cnt == 0 for block in new_computed_blocks))',
+    ],
+    "copy_blocks": [
+        'for cache in kv_cache.key_caches + kv_cache.value_caches:',
+        'cache[dst] = cache[src]',
+    ],
+    "beam_search_step": [
+        'scores = (cum[:, None] + logprobs.float()).flatten()',
+        'top_scores, top_ids = scores.topk(min(2 * beam_width, scores.numel()))',
+        'if is_eos and rank >= beam_width:',
+    ],
+}

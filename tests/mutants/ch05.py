@@ -808,3 +808,47 @@ CAPSTONE_MUTANTS = {
     "apply_min_p": "apply_min_p_absolute",
     "apply_penalties": "apply_penalties_repetition_over_the_output_only",
 }
+
+# The statements each exercise's question is about, as `ast.unparse` writes them (a compound statement by its
+# header). Hint 2 may show none of them, and nothing under chapters/ may state them (tests/test_hints.py): they
+# live here, beside the wrong answers, because a learner reads the chapter's test file.
+DECISIVE = {
+    "Scheduler": [
+        'while not out.preempted_seq_ids and self.waiting and (budget > 0) and self.can_admit(self.waiting.peek()):',
+        'index = self.running.index(seq) + 1',
+        'num_new_tokens = min(num_behind + len(seq.spec_token_ids), budget, self.long_prefill_token_threshold)',
+    ],
+    "select_victim": [
+        'return scheduler.running[-1]',
+        'return max(scheduler.running, key=lambda s: (s.priority, s.arrival, s.seq_id))',
+    ],
+    "allocate_or_preempt": [
+        'while (seq_copies := scheduler.kv_cache_manager.allocate_slots(seq, num_new_tokens)) is None:',
+        'if victim in out.scheduled_seqs:',
+        'if victim is seq:',
+    ],
+    "prepare_inputs": [
+        'positions += range(start, end)',
+        'query_start_loc.append(query_start_loc[-1] + num_new)',
+        'seq_lens.append(end)',
+    ],
+    "apply_top_p": [
+        'mass_before = probs.cumsum(dim=-1) - probs',
+        'drop = mass_before >= top_p[:, None]',
+    ],
+    "apply_min_p": [
+        'drop = probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values',
+    ],
+    "apply_penalties": [
+        'seen = prompt_mask | output_mask',
+        'logits = torch.where(logits > 0, logits / penalty, logits * penalty)',
+        'logits = logits - frequency_penalties[:, None] * output_counts',
+    ],
+    "sampling_rows": [
+        'if seq.num_computed_tokens < seq.num_tokens:',
+    ],
+    "engine_step": [
+        'model_output = core.model_executor.sample_tokens(grammar_output)',
+        'return core.scheduler.update_from_output(scheduler_output, model_output, schedule_seconds)',
+    ],
+}

@@ -246,3 +246,36 @@ CAPSTONE_MUTANTS = {
     "paged_decode_split_kernel": "split_empty_segment_divides_by_zero",
     "merge_splits_kernel": "merge_averages_segments",
 }
+
+# The statements each exercise's question is about, as `ast.unparse` writes them (a compound statement by its
+# header). Hint 2 may show none of them, and nothing under chapters/ may state them (tests/test_hints.py): they
+# live here, beside the wrong answers, because a learner reads the chapter's test file.
+DECISIVE = {
+    "online_softmax_attention": [
+        'm_new = torch.maximum(m_i, s.max(dim=1).values)',
+        'l_i = alpha * l_i + p.sum(dim=1)',
+        'acc = alpha[:, None] * acc + p @ v',
+    ],
+    "contiguous_decode_kernel": [
+        "s = tl.where(mask_n[None, :], s, float('-inf'))",
+        'l_i = l_i * alpha + tl.sum(p, axis=1)',
+        'acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)',
+    ],
+    "kv_store_kernel": [
+        'block_idx = slot // BLOCK_SIZE',
+        'block_offset = slot % BLOCK_SIZE',
+    ],
+    "paged_decode_kernel": [
+        'block_ids = tl.load(block_tables_ptr + seq * stride_bts + offs_pos // BLOCK_SIZE, mask=mask_n, other=0)',
+        'kv_offs = block_ids.to(tl.int64) * stride_cb + offs_pos % BLOCK_SIZE * stride_cs + kv_head * stride_ch',
+    ],
+    "paged_decode_split_kernel": [
+        'split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N',
+        'split_end = tl.minimum(split_start + split_len, seq_len)',
+        'for start in range(split_start, split_end, TILE_N):',
+    ],
+    "merge_splits_kernel": [
+        'weights = tl.exp(lse - lse_max)',
+        'out = tl.sum(partial * weights[:, None], axis=0) / tl.sum(weights, axis=0)',
+    ],
+}

@@ -587,3 +587,26 @@ CAPSTONE_MUTANTS = {
     "generate": "generate_never_aborts",
     "until_disconnected": "until_disconnected_never_cancels",
 }
+
+# The statements each exercise's question is about, as `ast.unparse` writes them (a compound statement by its
+# header). Hint 2 may show none of them, and nothing under chapters/ may state them (tests/test_hints.py): they
+# live here, beside the wrong answers, because a learner reads the chapter's test file.
+DECISIVE = {
+    "run_busy_loop": [
+        'while not core.has_unfinished_requests():',
+        'message = input_queue.get(block=False)',
+    ],
+    "RequestOutputCollector": [
+        'if self._output is not None and self._output.finished:',
+        'self._output = output if self._output is None else merge_delta(self._output, output)',
+    ],
+    "generate": [
+        'finished = output.finished',
+        'if not finished:',
+        'await llm.abort(request_id)',
+    ],
+    "until_disconnected": [
+        'await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)',
+        'task.cancel()',
+    ],
+}

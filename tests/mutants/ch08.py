@@ -571,3 +571,26 @@ CAPSTONE_MUTANTS = {
     "submit_grammar_bitmask": "submit_grammar_bitmask_per_scheduled_sequence",
     "ChoiceGrammar": "ChoiceGrammarOrsIntoTheRow",
 }
+
+# The statements each exercise's question is about, as `ast.unparse` writes them (a compound statement by its
+# header). Hint 2 may show none of them, and nothing under chapters/ may state them (tests/test_hints.py): they
+# live here, beside the wrong answers, because a learner reads the chapter's test file.
+DECISIVE = {
+    "pack_token_bitmask": [
+        'words.index_add_(0, ids // 32, 1 << ids % 32)',
+        'return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)',
+    ],
+    "apply_token_bitmask": [
+        'mask_bytes = bitmask.to(logits.device).contiguous().view(torch.uint8).long()',
+        'additive = terms[mask_bytes].flatten(1)',
+    ],
+    "submit_grammar_bitmask": [
+        'grammars = [seq.grammar for seq in sampling_rows(scheduler_output)[1]]',
+        'if all((grammar is None for grammar in grammars)):',
+    ],
+    "ChoiceGrammar": [
+        'if self.text in self.choices and self.tokens.eos_token_id is not None:',
+        'if text == self.text or not any((choice.startswith(text) for choice in self.choices)):',
+        'allowed.update(self.tokens.ids_by_text.get(rest[:end], []))',
+    ],
+}

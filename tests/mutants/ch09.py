@@ -292,3 +292,29 @@ CAPSTONE_MUTANTS = {
     "execute_model_in_lockstep": "lockstep_rank_zero_only",
     "worker_busy_loop": "worker_runs_one_step",
 }
+
+# The statements each exercise's question is about, as `ast.unparse` writes them (a compound statement by its
+# header). Hint 2 may show none of them, and nothing under chapters/ may state them (tests/test_hints.py): they
+# live here, beside the wrong answers, because a learner reads the chapter's test file.
+DECISIVE = {
+    "partition": [
+        'replicas = tp_size // kv',
+        'kv_ranges = [(r // replicas, r // replicas + 1) for r in range(tp_size)]',
+        'if tp_size % kv or group % (tp_size // kv):',
+    ],
+    "RowParallelLinear": [
+        'out = all_reduce(F.linear(x, self.weight))',
+        'return out if self.bias is None else out + self.bias',
+    ],
+    "VocabParallelEmbedding": [
+        'mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)',
+        'return all_reduce(rows * mine[:, None].to(rows.dtype))',
+    ],
+    "execute_model_in_lockstep": [
+        'worker.send_step(scheduler_output)',
+        'return model_runner.execute_model(scheduler_output)',
+    ],
+    "worker_busy_loop": [
+        'while (scheduler_output := channel.recv_step()) is not None:',
+    ],
+}

@@ -293,3 +293,31 @@ CAPSTONE_MUTANTS = {
     "num_cached_blocks": "cached_touches_the_hits",
     "drop_replica": "drop_keeps_the_computed_tokens",
 }
+
+# The statements each exercise's question is about, as `ast.unparse` writes them (a compound statement by its
+# header). Hint 2 may show none of them, and nothing under chapters/ may state them (tests/test_hints.py): they
+# live here, beside the wrong answers, because a learner reads the chapter's test file.
+DECISIVE = {
+    "place_by_prefix": [
+        "min_load = min((state.load for state in replicas))",
+        "candidates = [state for state in replicas if state.load <= min_load + load_cap]",
+        "best = max((state.num_cached_blocks for state in candidates))",
+        "good = [state for state in candidates if state.num_cached_blocks >= best - near_tie_blocks]",
+        "return min(good, key=lambda state: (state.load, -state.num_cached_blocks, state.replica)).replica",
+    ],
+    "num_cached_blocks": [
+        "hashes = seq.block_hashes[:(seq.num_tokens - 1) // manager.block_size]",
+        "if manager.alive[replica]:",
+        "while count < len(hashes) and replica_manager.block_pool.get_cached_block(hashes[count]) is not None:",
+    ],
+    "drop_replica": [
+        "scheduler.kv_cache_manager.mark_gone(replica)",
+        "seqs = [*dead.running, *dead.waiting, *(seq for group in dead.swapped for seq in group)]",
+        "status = SequenceStatus.WAITING if seq.status is SequenceStatus.WAITING else SequenceStatus.PREEMPTED",
+        "dead.finish(seq, SequenceStatus.FINISHED_ABORTED)",
+        "seq.status, seq.num_computed_tokens, seq.spec_token_ids, seq.replica = (status, 0, [], None)",
+        "for seq in sorted(seqs, key=lambda s: (s.arrival, s.seq_id), reverse=True):",
+        "scheduler.waiting.prepend(seq)",
+        "if not scheduler.live_replicas:",
+    ],
+}
