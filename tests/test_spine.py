@@ -6,6 +6,7 @@ import pickle
 from pathlib import Path
 
 import pytest
+import torch
 
 from grading.spine import PAGE, build
 from solutions import SamplingParams
@@ -120,10 +121,13 @@ def test_a_client_whose_core_is_in_another_process_names_the_alternative():
             read()
 
 
-def decode_steps_through_a_worker_pipe(context_len: int, num_seqs: int = 64, steps: int = 3) -> list[int]:
+def decode_steps_through_a_worker_pipe(
+    context_len: int, num_seqs: int = 64, steps: int = 3, generators: bool = False
+) -> list[int]:
     """`num_seqs` sequences of `context_len` prompt tokens through a real scheduler (no model: each sampling row
     gets token 7): the bytes of each step's message to a worker, the first step prefilling all of them. Each
-    message is read back as a worker reads it, and the worker's copies must equal the engine's sequences."""
+    message is read back as a worker reads it, and the worker's copies must equal the engine's sequences. With
+    `generators`, the sequences draw (temperature 1, each its own generator) and the worker is one that samples."""
     block_size = 16
     blocks = num_seqs * (cdiv(context_len + steps, block_size) + 1)
     scheduler = Scheduler(KVCacheManager(blocks, block_size), max_num_seqs=num_seqs,
@@ -131,13 +135,15 @@ def decode_steps_through_a_worker_pipe(context_len: int, num_seqs: int = 64, ste
                           max_model_len=context_len + steps + 1)
     for i in range(num_seqs):
         seq = Sequence(i, [(7 * i + j) % 250 + 3 for j in range(context_len)])
-        seq.request_id, seq.sampling_params = f"r{i}", SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+        seq.request_id = f"r{i}"
+        seq.sampling_params = SamplingParams(max_tokens=steps + 1, ignore_eos=True, temperature=float(generators))
+        seq.generator = torch.Generator().manual_seed(i)
         scheduler.add_request(seq)
     encoder, worker = StepEncoder(block_size), CachedRequests()
     sizes = []
     for _ in range(steps):
         out = scheduler.schedule()
-        message = encoder.message(out)
+        message = encoder.message(out, generators)
         sizes.append(len(message))
         got = worker.apply(pickle.loads(message))
         assert [(s.seq_id, s.token_ids, s.block_table, s.num_computed_tokens) for s in got.scheduled_seqs] == [
@@ -149,11 +155,14 @@ def decode_steps_through_a_worker_pipe(context_len: int, num_seqs: int = 64, ste
     return sizes
 
 
-def test_a_decode_step_sends_a_worker_its_changes_not_its_contexts():
+@pytest.mark.parametrize("generators", [False, True], ids=["greedy", "drawing"])
+def test_a_decode_step_sends_a_worker_its_changes_not_its_contexts(generators):
     """vLLM's `NewRequestData` once, then `CachedRequestData` (`vllm/v1/core/sched/output.py`): a decode step's
-    message grows with the new tokens (one per sequence), not with the contexts."""
-    short, long = decode_steps_through_a_worker_pipe(250), decode_steps_through_a_worker_pipe(1000)
-    assert long[0] > 2.5 * short[0], "the first step carries every prompt whole"
+    message grows with the new tokens (one per sequence), not with the contexts; a worker that samples is sent each
+    drawing sequence's generator once, with its first data, and keeps it."""
+    short = decode_steps_through_a_worker_pipe(250, generators=generators)
+    long = decode_steps_through_a_worker_pipe(1000, generators=generators)
+    assert long[0] - short[0] >= 64 * 750 * 2, "the first step carries every prompt whole (750 more tokens each)"
     for step in (1, 2):
         assert long[step] <= 1.05 * short[step], f"step {step}: {short[step]} B at 250 tokens, {long[step]} B at 1000"
         assert long[step] * 10 <= long[0], f"decode step {step}: {long[step]} B, the prefill's {long[0]} B"

@@ -10,8 +10,8 @@ holds (`WorkerProc.send_step`), and `sample_tokens` sends them their rows of the
 for the first reply of any replica with a step in flight and returns every reply there by then
 (`DataParallelModelRunnerOutput`, replica by replica). So a replica that is given a long prefill holds up no other
 replica's decodes: their next steps are scheduled as soon as their tokens are back. Sampling stays reproducible
-wherever a sequence runs: its generator lives with the engine core, and its state travels to the worker and back
-each step it samples — a greedy sequence's does not (it draws nothing; a generator's state is 5 KB).
+wherever a sequence runs: a drawing sequence's generator state (5 KB) goes to its replica once, when the replica
+first holds it, and the replica keeps drawing from it (`cached_requests.py`); a greedy sequence's never travels.
 
 A worker that dies (its pipe closes) or does not answer within `STEP_TIMEOUT_SECONDS` of being sent its step (it is
 then killed) is reported, not raised, and stalls nobody for longer than that bound: `take_dead_replicas` names it
@@ -45,7 +45,6 @@ from solutions.executor.worker_proc import (
     start_workers,
 )
 from solutions.model.loader import load_model
-from solutions.worker.cached_requests import load_state
 from solutions.worker.model_runner import ModelRunner
 
 STEP_TIMEOUT_SECONDS = 600.0  # a replica silent for this long after being sent its step is taken for dead
@@ -63,13 +62,11 @@ def run_replica(channel: WorkerChannel, replica: int, vllm_config: VllmConfig) -
 
 
 def replica_busy_loop(runner: ModelRunner, channel: WorkerChannel) -> None:
-    """Each step: its part of the batch (with its drawing sequences' generator states); the forward pass; then its
-    rows of the grammar masks (or None); sample; send the tokens and those generators' new states back."""
+    """Each step: its part of the batch; the forward pass; then its rows of the grammar masks (or None); sample; send
+    the tokens back."""
     while (part := channel.recv_step()) is not None:
         runner.execute_model(part)
-        output = runner.sample_tokens(GrammarOutput.of(channel.recv()))
-        drawing = [seq.seq_id for seq in sampling_rows(part)[1] if seq.generator is not None]
-        channel.send("output", (output, channel.requests.generator_states(drawing)))
+        channel.send("output", runner.sample_tokens(GrammarOutput.of(channel.recv())))
 
 
 class DataParallelExecutor(Executor):
@@ -130,11 +127,8 @@ class DataParallelExecutor(Executor):
             replies, dead = poll(busy, {replica: deadline for replica, (_, deadline) in self.in_flight.items()})
             for replica in dead:
                 self._mark_dead(replica)
-            for replica, (output, states) in replies.items():
-                part, _ = self.in_flight.pop(replica)
-                seqs = {seq.seq_id: seq for seq in sampling_rows(part)[1]}
-                for seq_id, state in states.items():
-                    load_state(seqs[seq_id].generator, state)
+            for replica, output in replies.items():
+                self.in_flight.pop(replica)
                 merged.replica_outputs[replica] = output
         return merged
 

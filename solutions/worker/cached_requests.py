@@ -8,8 +8,14 @@ and at most one block per sequence. So the engine's end of each worker's pipe ke
 `NewRequestData` the first time it is scheduled (or again after a preemption, a swap or a re-placement: its
 table is new) and brought up to date by `CachedRequestData` afterwards: the tokens appended since, and the block
 table from the block holding the step's first new token on (the blocks before it hold computed K/V and do not
-change while the sequence runs: the invariant `BlockTable` relies on too). Sequences the engine no longer runs
-(finished, preempted, swapped out, requeued) are named once in `finished_seq_ids` and forgotten.
+change while the sequence runs: the invariant `BlockTable` relies on too). Finished sequences are named once in
+`finished_seq_ids` and forgotten; a preempted or swapped-out one is kept, and rewritten when it runs again.
+
+A worker that samples (a data-parallel replica) keeps each drawing sequence's generator too: its state crosses the
+pipe once, with the first `NewRequestData` (or the fork) that worker is sent, and the worker draws from it from then
+on, preemptions included, so a seeded request samples what it samples in one process. The engine's copy of the
+generator is not brought back: a sequence requeued from a replica that died restarts its stream from the state it
+was first sent with (its tokens so far are kept; the rest is a fresh sample, not the dead replica's continuation).
 
 The worker rebuilds the step's `SchedulerOutput` over its copies, so its runner runs the same code as in one
 process: one message type, two carriers. Its copies are the same objects from step to step, so the runner's
@@ -27,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from solutions.core.sched.output import SchedulerOutput, sampling_rows
+from solutions.core.sched.output import SchedulerOutput
 from solutions.core.sched.scheduler import advance_computed_tokens
 from solutions.core.sequence import Sequence, SequenceStatus
 from solutions.sampling_params import SamplingParams
@@ -70,8 +76,8 @@ class CachedRequestData:
 class StepDelta:
     """One step for one worker: the `SchedulerOutput` without its sequences (`scheduler_output`, whose
     `scheduled_seqs` and `forked_seqs` are empty), the scheduled sequences in batch order as new or cached data,
-    the step's forks as (parent id, child ids), what to forget, and the generator states of the sampling sequences
-    that draw (only for a worker that samples)."""
+    the step's forks as (parent id, child ids), what to forget, and the generator states of the drawing sequences
+    this worker is sent for the first time (only for a worker that samples)."""
 
     scheduler_output: SchedulerOutput
     new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -91,8 +97,8 @@ class StepEncoder:
 
     def encode(self, out: SchedulerOutput, generators: bool = False) -> StepDelta:
         """The step as `out` describes it, in terms of what the worker already holds; with `generators`, the
-        states of its drawing (not greedy) sampling sequences' generators travel too."""
-        finished = [seq_id for seq_id, (seq, _) in self.sent.items() if seq.status is not SequenceStatus.RUNNING]
+        generator states of the drawing (not greedy) sequences it holds for the first time travel too."""
+        finished = [seq_id for seq_id, (seq, _) in self.sent.items() if seq.is_finished]
         for seq_id in finished:
             del self.sent[seq_id]
         delta = StepDelta(
@@ -100,8 +106,11 @@ class StepEncoder:
             batch_order=[seq.seq_id for seq in out.scheduled_seqs],
         )
         rewrite = {*out.new_seq_ids, *out.resumed_seq_ids, *out.swapped_in_seq_ids}  # their tables are new
+        first_seen = []
         for seq, start in zip(out.scheduled_seqs, out.num_computed_tokens, strict=True):
             sent = self.sent.get(seq.seq_id)
+            if sent is None:
+                first_seen.append(seq)
             if sent is None or seq.seq_id in rewrite:
                 delta.new_reqs.append(NewRequestData(
                     seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, list(seq.block_table), seq.sampling_params
@@ -115,9 +124,12 @@ class StepEncoder:
         for parent_id, children in out.forked_seqs.items():
             delta.forks.append((parent_id, [child.seq_id for child in children]))
             self.sent.update((child.seq_id, (child, child.num_tokens)) for child in children)
+            first_seen += children
         if generators:
-            drawing = [seq for seq in sampling_rows(out)[1] if not seq.sampling_params.greedy]
-            delta.generator_states = {seq.seq_id: state_bytes(seq.generator) for seq in drawing}
+            delta.generator_states = {
+                seq.seq_id: state_bytes(seq.generator) for seq in first_seen
+                if seq.generator is not None and not seq.sampling_params.greedy
+            }
         return delta
 
     def message(self, out: SchedulerOutput, generators: bool = False) -> bytes:
@@ -136,10 +148,11 @@ class CachedRequests:
         for seq_id in delta.finished_seq_ids:
             self.seqs.pop(seq_id, None)
         for new in delta.new_reqs:
-            seq = Sequence(new.seq_id, new.token_ids[: new.num_prompt_tokens])
+            seq = self.seqs.get(new.seq_id)  # held already after a preemption or a swap: keep its generator
+            if seq is None:
+                seq = self.seqs[new.seq_id] = Sequence(new.seq_id, new.token_ids[: new.num_prompt_tokens])
             seq.token_ids, seq.block_table, seq.sampling_params = new.token_ids, new.block_table, new.sampling_params
             seq.status = SequenceStatus.RUNNING
-            self.seqs[new.seq_id] = seq
         for cached in delta.cached_reqs:
             seq = self.seqs[cached.seq_id]
             seq.token_ids += cached.new_token_ids
@@ -160,7 +173,3 @@ class CachedRequests:
         for seq_id, state in delta.generator_states.items():
             self.seqs[seq_id].generator = load_state(torch.Generator(), state)
         return out
-
-    def generator_states(self, seq_ids: list[int]) -> dict[int, bytes]:
-        """The states of these sequences' generators after a step that drew from them (to send back)."""
-        return {seq_id: state_bytes(self.seqs[seq_id].generator) for seq_id in seq_ids}
