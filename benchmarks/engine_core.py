@@ -29,9 +29,10 @@ median ms per stage over 20 decode steps (`SchedulerStats.seconds`), `host` = sc
 postprocess, and the block-table entries the model runner wrote per step (`BlockTable.num_block_writes`).
 
 `--step-bytes`: what one decode step costs to send to a worker process (a tensor-parallel rank, or a data-parallel
-replica, which also gets its drawing sequences' generator states): 64 sequences of 1,000 prompt tokens through a
-real scheduler (no model, each sampling row given one token), 20 decode steps. `whole` sends every sequence whole
-each step (a fresh `StepEncoder`: what a worker cost before it kept its requests), `delta` what it sends now; per
+replica, which is also sent a drawing sequence's generator state, 5 KB, with the first data it holds of it): 64
+sequences of 1,000 prompt tokens through a real scheduler (no model, each sampling row given one token), 20 decode
+steps. `whole` sends every sequence whole each step, generator states included (a fresh `StepEncoder`: what a
+worker cost before it kept its requests and their generators), `delta` what it sends now; per
 step, the pickled bytes and the milliseconds to encode, pickle, unpickle and apply them (median of the steps).
 """
 

@@ -236,16 +236,7 @@ class KnownLeak(Exception):
 # Rewriting the prose (or the test) around them is the fix; then the test passes, strict xfail fails, and the entry
 # goes.
 KNOWN_LEAKS: dict[str, set[str]] = {
-    "04_copy_on_write_and_sharing/04_copy_on_write_and_sharing.ipynb": {
-        "self.free_block_queue.append(block)",  # BlockPool's Hint 2, in a comment: `# at 0: self.free_block_queue...`
-    },
-    "06_triton_paged_attention/06_triton_paged_attention.ipynb": {  # the split kernel's segment bounds, in the prose
-        "split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N",
-        "split_end = tl.minimum(split_start + split_len, seq_len)",
-    },
-    "07_serving/07_serving.ipynb": {"await llm.abort(request_id)"},  # generate's abort, in the API's description
     "07_serving/test_07_serving.py": {"task.cancel()"},  # until_disconnected's line, in the tests' own client code
-    "09_tensor_parallelism/09_tensor_parallelism.ipynb": {"worker.send_step(scheduler_output)"},  # in the prose
 }
 
 
