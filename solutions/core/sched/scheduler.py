@@ -197,13 +197,6 @@ class SchedulerBase:
         preemption decision through this method, so any `schedule()` runs whichever one the module holds."""
         return allocate_or_preempt(self, seq, num_new_tokens, out, copies)
 
-    def group_of(self, seq: Sequence) -> list[Sequence]:
-        """`seq`'s sequence group: the running samples of its request, in running order (just `seq` for a sequence
-        made by hand, without a request)."""
-        if seq.request_id is None:
-            return [seq]
-        return [s for s in self.running if s.request_id == seq.request_id]
-
     def _add_to_batch(
         self, out: SchedulerOutput, seq: Sequence, num_new_tokens: int, seq_copies: list[tuple[int, int]],
         copies: dict[int, list[tuple[int, int]]],
