@@ -56,6 +56,7 @@ from solutions.engine.core import EngineCore, EngineCoreProc, EngineCoreReady, E
 from solutions.executor.abstract import Executor
 
 if TYPE_CHECKING:  # the front ends hold a client, never the core's parts: these are names for the hints only
+    from solutions.beam_search import BeamSearchParams, BeamSearchSequence
     from solutions.core.sched.data_parallel_scheduler import DataParallelScheduler
     from solutions.core.sched.scheduler import Scheduler
     from solutions.structured_output import StructuredOutputManager
@@ -120,6 +121,10 @@ class EngineCoreClient(ABC):
     def has_unfinished_requests(self) -> bool:
         """Whether the core's scheduler still holds an unfinished request (`LLMEngine`'s answer is its front end's)."""
         return self._core_in_this_process("has_unfinished_requests()").has_unfinished_requests()
+
+    def beam_search(self, prompts: list[list[int]], params: "BeamSearchParams") -> "list[list[BeamSearchSequence]]":
+        """The core's beam search over these token-id prompts (it runs outside the scheduler: the core must be idle)."""
+        return self._core_in_this_process("beam_search()").beam_search(prompts, params)
 
     def _core_in_this_process(self, what: str) -> EngineCore:
         if self.engine_core is None:

@@ -95,7 +95,7 @@ class LLMEngine:
             self.processor.process_inputs(f"beam-{i}", prompt, limits)[1].prompt_token_ids
             for i, prompt in enumerate(prompts)
         ]
-        return self.engine_core.engine_core.beam_search(token_ids, params)
+        return self.engine_core.beam_search(token_ids, params)
 
     def shutdown(self) -> None:
         """Release the engine's workers (tensor parallelism); the engine cannot step afterwards."""
