@@ -35,7 +35,7 @@ import torch
 
 from solutions.core.sched.output import SchedulerOutput
 from solutions.core.sched.scheduler import advance_computed_tokens
-from solutions.core.sequence import Sequence, SequenceStatus
+from solutions.core.sequence import FINISHED_STATUSES, Sequence, SequenceStatus
 from solutions.sampling_params import SamplingParams
 
 
@@ -63,14 +63,15 @@ class NewRequestData:
 
 @dataclass(slots=True)
 class CachedRequestData:
-    """A held sequence's changes since the worker last saw it: its new tokens, and its block table from block
-    `first_block` on (`block_ids`; the table is cut there and these appended)."""
+    """The held sequences' changes since the worker last saw them, one column per field as vLLM's: for sequence
+    `seq_ids[i]`, its new tokens, and its block table from block `first_blocks[i]` on (`block_ids[i]`; the table is
+    cut there and these appended). Columns of ints pickle in C; one object per sequence would cost a Python call
+    each way."""
 
-    seq_id: int
-    new_token_ids: list[int]
-    first_block: int
-    block_ids: list[int]
-
+    seq_ids: list[int] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    first_blocks: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)
 
 @dataclass(slots=True)
 class StepDelta:
@@ -81,7 +82,7 @@ class StepDelta:
 
     scheduler_output: SchedulerOutput
     new_reqs: list[NewRequestData] = field(default_factory=list)
-    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
     batch_order: list[int] = field(default_factory=list)  # seq_ids, the step's order
     forks: list[tuple[int, list[int]]] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)
@@ -98,7 +99,7 @@ class StepEncoder:
     def encode(self, out: SchedulerOutput, generators: bool = False) -> StepDelta:
         """The step as `out` describes it, in terms of what the worker already holds; with `generators`, the
         generator states of the drawing (not greedy) sequences it holds for the first time travel too."""
-        finished = [seq_id for seq_id, (seq, _) in self.sent.items() if seq.is_finished]
+        finished = [seq_id for seq_id, (seq, _) in self.sent.items() if seq.status in FINISHED_STATUSES]
         for seq_id in finished:
             del self.sent[seq_id]
         delta = StepDelta(
@@ -106,7 +107,7 @@ class StepEncoder:
             batch_order=[seq.seq_id for seq in out.scheduled_seqs],
         )
         rewrite = {*out.new_seq_ids, *out.resumed_seq_ids, *out.swapped_in_seq_ids}  # their tables are new
-        first_seen = []
+        cached, first_seen = delta.cached_reqs, []
         for seq, start in zip(out.scheduled_seqs, out.num_computed_tokens, strict=True):
             sent = self.sent.get(seq.seq_id)
             if sent is None:
@@ -117,9 +118,10 @@ class StepEncoder:
                 ))
             else:
                 first = start // self.block_size
-                delta.cached_reqs.append(CachedRequestData(
-                    seq.seq_id, seq.token_ids[sent[1] :], first, seq.block_table[first:]
-                ))
+                cached.seq_ids.append(seq.seq_id)
+                cached.new_token_ids.append(seq.token_ids[sent[1] :])
+                cached.first_blocks.append(first)
+                cached.block_ids.append(seq.block_table[first:])
             self.sent[seq.seq_id] = seq, seq.num_tokens
         for parent_id, children in out.forked_seqs.items():
             delta.forks.append((parent_id, [child.seq_id for child in children]))
@@ -153,11 +155,14 @@ class CachedRequests:
                 seq = self.seqs[new.seq_id] = Sequence(new.seq_id, new.token_ids[: new.num_prompt_tokens])
             seq.token_ids, seq.block_table, seq.sampling_params = new.token_ids, new.block_table, new.sampling_params
             seq.status = SequenceStatus.RUNNING
-        for cached in delta.cached_reqs:
-            seq = self.seqs[cached.seq_id]
-            seq.token_ids += cached.new_token_ids
-            del seq.block_table[cached.first_block :]  # in place: the runner's block table knows this list
-            seq.block_table += cached.block_ids
+        cached = delta.cached_reqs
+        for seq_id, new_token_ids, first, block_ids in zip(
+            cached.seq_ids, cached.new_token_ids, cached.first_blocks, cached.block_ids, strict=True
+        ):
+            seq = self.seqs[seq_id]
+            seq.token_ids += new_token_ids
+            del seq.block_table[first:]  # in place: the runner's block table knows this list
+            seq.block_table += block_ids
         out = delta.scheduler_output
         out.scheduled_seqs = [self.seqs[seq_id] for seq_id in delta.batch_order]
         advance_computed_tokens(out)
