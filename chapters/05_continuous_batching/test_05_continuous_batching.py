@@ -217,6 +217,26 @@ def test_schedule_counts_the_samples_a_request_will_fork(impl):
 
 
 @pytest.mark.exercise("Scheduler")
+def test_schedule_hands_the_runner_the_copies_its_samples_need(impl):
+    inputs = ("block_size 4; waiting: id 0, a 10-token prompt with n=3 (it forks ids 10, 11); after the prompt's step "
+              "each sample appends one token and the next step is scheduled")
+    with exercising("Scheduler", inputs):
+        sched = make_scheduler(impl.Scheduler, max_num_seqs=4)
+        parent = waiting_seq(sched, 0, 10)
+        parent.fork_seq_ids = [10, 11]
+        sched.schedule()
+        samples = list(sched.running)
+        last_blocks = [seq.block_table[-1] for seq in samples]
+        for seq in samples:
+            seq.append_token(99)
+        out = sched.schedule()
+    moved = sorted((old, seq.block_table[-1]) for seq, old in zip(samples, last_blocks) if seq.block_table[-1] != old)
+    expect_equal(len(moved), 2, inputs=f"{inputs}; samples given a block of their own for the shared last block")
+    expect_equal(sorted(out.blocks_to_copy), moved,
+                 inputs=f"{inputs}; the step's blocks_to_copy (source, destination), against the block tables")
+
+
+@pytest.mark.exercise("Scheduler")
 def test_schedule_keeps_the_queue_order_when_memory_is_short(impl):
     inputs = "4 blocks of 4 slots; waiting: a 20-token prompt (id 0, needs 5 blocks), then a 2-token one (id 1)"
     with exercising("Scheduler", inputs):
@@ -916,6 +936,18 @@ def test_engine_step_gives_every_sample_of_n_its_tokens(impl):
     inputs = "tiny llama-gqa, budget 8: an 11-token prompt with n=3 (greedy) beside a 2-token prompt, 6 new tokens each"
     expect_equal(got.get("r0"), [hf_greedy(folder, tuple(prompt), 6)] * 3, inputs=f"{inputs}; the 3 samples of r0")
     expect_equal(got.get("r1"), [hf_greedy(folder, (5, 6), 6)], inputs=f"{inputs}; r1")
+
+
+@pytest.mark.exercise("Scheduler")
+def test_schedule_in_the_engine_gives_every_sample_of_n_hugging_faces_tokens(impl):
+    folder = tiny_checkpoint("llama-gqa")
+    inputs = "tiny llama-gqa, block_size 4, budget 8: a 10-token prompt with n=3 (greedy), 6 new tokens; your Scheduler"
+    with swap_in(impl, {"Scheduler": REFERENCE["Scheduler"]}):
+        engine, core = engine_and_core(folder, block_size=4, max_num_batched_tokens=8)
+        params = SamplingParams(n=3, temperature=0.0, max_tokens=6, ignore_eos=True)
+        engine.add_request("r0", list(range(60, 70)), params)
+        got, _ = run_core(core_module.engine_step, core)
+    expect_equal(got.get("r0"), [hf_greedy(folder, tuple(range(60, 70)), 6)] * 3, inputs=f"{inputs}; the 3 samples")
 
 
 @pytest.mark.exercise("engine_step")

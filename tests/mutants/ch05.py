@@ -81,6 +81,16 @@ class _Template(Scheduler):
         return out
 
 
+class DropsTheCopies(_Template):
+    """Allocates the copy-on-write blocks but never tells the runner to copy: forked samples that write into a
+    block they shared read K/V that was never copied there."""
+
+    def schedule(self) -> SchedulerOutput:
+        out = super().schedule()
+        out.blocks_to_copy = []
+        return out
+
+
 class NeverAdvancesTheBatch(_Template):
     """Returns the batch without advancing its sequences' computed tokens (leaves it to the model runner, as
     the engine once did): the next `schedule()` sees the same tokens still behind."""
@@ -729,6 +739,7 @@ def apply_penalties_frequency_counts_each_token_once(
 
 
 MUTANTS = {
+    "schedule_drops_the_copies": {"Scheduler": DropsTheCopies},
     "schedule_ignores_the_budget": {"Scheduler": IgnoresTheBudget},
     "schedule_starves_running": {"Scheduler": StarvesRunning},
     "schedule_without_chunking": {"Scheduler": NoChunking},
@@ -798,6 +809,7 @@ MUTANTS = {
 # For every exercise, a mutant that makes the capstone (SmolLM2, preemption storm, chunked prefill, prefix caching,
 # a sampled request with penalties) fail: the capstone really runs each exercise.
 CAPSTONE_MUTANTS = {
+    "schedule_drops_the_copies": {"Scheduler": DropsTheCopies},
     "Scheduler": "schedule_ignores_cached_tokens",
     "select_victim": "select_victim_lowest_priority_anywhere",
     "allocate_or_preempt": "allocate_or_preempt_keeps_the_victim_scheduled",
