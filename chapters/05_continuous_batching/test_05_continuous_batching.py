@@ -1068,6 +1068,15 @@ def test_top_p_one_keeps_everything(impl):
 
 
 @pytest.mark.exercise("apply_top_p")
+def test_top_p_one_keeps_everything_on_smollm2s_vocabulary(impl):
+    logits = 8 * torch.randn(3, 49152, generator=torch.Generator().manual_seed(11))
+    got = impl.apply_top_p(logits.clone(), torch.tensor([1.0, 1.0, 1.0]))
+    dropped = (~got.isfinite()).sum(dim=-1).tolist()
+    inputs = "logits 8 * randn(3, 49152) (SmolLM2's vocabulary), top_p 1.0; tokens dropped per row"
+    expect_equal(dropped, [0, 0, 0], inputs=inputs)
+
+
+@pytest.mark.exercise("apply_top_p")
 def test_top_p_tiny_keeps_exactly_the_most_likely_token(impl):
     logits = random_rows(3, rows=4, vocab=50)
     got = impl.apply_top_p(logits.clone(), torch.full((4,), 1e-8))

@@ -50,7 +50,8 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
     probs = torch.softmax(sorted_logits, dim=-1)  # (B, V)
     mass_before = probs.cumsum(dim=-1) - probs  # (B, V) probability of the more likely tokens
-    drop = mass_before >= top_p[:, None]  # (B, V) the nucleus already holds top_p without this token
+    # (B, V) the nucleus already holds top_p without this token; a float cumulative sum can round up to 1
+    drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
     return logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
 
 
@@ -75,8 +76,7 @@ def apply_top_k_top_p_min_p(
     so its place in the order does not matter.
 
     Each filter runs only on the rows whose value filters: a sort of 49,152 logits costs about as much as the
-    rest of a row's sampling, and most rows keep all (speculative decoding samples k + 1 rows per sequence). It
-    is also exact: on all rows, top-p at 1 would drop the tail whose float cumulative sum rounds up to 1.
+    rest of a row's sampling, and most rows keep all (speculative decoding samples k + 1 rows per sequence).
     """
     vocab_size = logits.shape[-1]
     logits = _on_rows(apply_top_k, logits, top_k, top_k < vocab_size)

@@ -641,6 +641,15 @@ def apply_top_p_drops_the_crossing_token(logits: torch.Tensor, top_p: torch.Tens
     return logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
 
 
+def apply_top_p_trusts_the_float_sum(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Right in exact arithmetic; at top_p 1 on a real vocabulary the float cumulative sum reaches 1 early and
+    the tail is dropped."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    drop = probs.cumsum(dim=-1) - probs >= top_p[:, None]
+    return logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+
+
 def apply_top_p_without_sorting(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Accumulates probability in vocabulary order instead of from the most likely token down."""
     probs = torch.softmax(logits, dim=-1)
@@ -792,6 +801,7 @@ MUTANTS = {
     "engine_step_schedules_twice": {"engine_step": engine_step_schedules_twice},
     "apply_top_p_drops_the_crossing_token": {"apply_top_p": apply_top_p_drops_the_crossing_token},
     "apply_top_p_without_sorting": {"apply_top_p": apply_top_p_without_sorting},
+    "apply_top_p_trusts_the_float_sum": {"apply_top_p": apply_top_p_trusts_the_float_sum},
     "apply_top_p_first_rows_p": {"apply_top_p": apply_top_p_first_rows_p},
     "apply_top_p_ascending_keeps_none": {"apply_top_p": apply_top_p_ascending_keeps_none},
     "apply_min_p_absolute": {"apply_min_p": apply_min_p_absolute},
@@ -846,7 +856,7 @@ DECISIVE = {
     ],
     "apply_top_p": [
         'mass_before = probs.cumsum(dim=-1) - probs',
-        'drop = mass_before >= top_p[:, None]',
+        'drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)',
     ],
     "apply_min_p": [
         'drop = probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values',
