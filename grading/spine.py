@@ -24,7 +24,7 @@ EDGES = [
     ("llm_engine", "the offline front end: no scheduler, no model", "vllm/v1/engine/llm_engine.py"),
     ("llm_engine.vllm_config", "every option, checked and resolved once (`EngineArgs.create_engine_config()`)",
      "vllm/config/vllm.py"),
-    ("llm_engine.processor", "validates and tokenises a request, once", "vllm/v1/engine/processor.py"),
+    ("llm_engine.processor", "validates and tokenises a request, once", "vllm/v1/engine/input_processor.py"),
     ("llm_engine.output_processor", "detokenises, checks stop strings, makes `RequestOutput`s",
      "vllm/v1/engine/output_processor.py"),
     (CLIENT, "the client: in-process here, it answers for its core's parts; a process or a thread under `AsyncLLM`",

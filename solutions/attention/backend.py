@@ -8,7 +8,8 @@ A backend the engine can be asked for (`registry.py`) is built by the model runn
 `backend_cls(kv_cache, metadata)`, and says as a class what the engine's options may pair it with: the devices it
 runs on, those where the runner compiles the forward pass around it, and whether it runs under tensor parallelism.
 
-Where this lives in vLLM: `vllm/attention/backends/abstract.py` (`AttentionBackend`, `AttentionImpl.forward`).
+Where this lives in vLLM: `vllm/v1/attention/backend.py` (`AttentionBackend`, `AttentionImpl.forward`; vLLM moved
+it there from `attention/backends/abstract.py`).
 """
 
 from typing import ClassVar, Protocol

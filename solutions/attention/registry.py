@@ -10,7 +10,7 @@ is one class and one line here.
     inductor  the CPU's fast path: one compiled graph per step (`inductor_backend.py`)
     triton    chapter 6's kernels (`triton_backend.py`), natively on a GPU, interpreted on the CPU
 
-Where this lives in vLLM: `vllm/attention/backends/registry.py` (`AttentionBackendEnum`, name -> class path).
+Where this lives in vLLM: `vllm/v1/attention/backends/registry.py` (`AttentionBackendEnum`, name -> class path).
 """
 
 import importlib

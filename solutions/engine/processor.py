@@ -14,7 +14,8 @@ least ceil(C / max_token_chars) tokens. Tokenising costs about half a second per
 tokenizer's normaliser does not shrink the text, true of byte-level BPE and SentencePiece; the exact count after
 tokenising is checked either way.)
 
-Where this lives in vLLM: `vllm/v1/engine/processor.py` (`Processor.process_inputs`).
+Where this lives in vLLM: `vllm/v1/engine/input_processor.py` (`InputProcessor.process_inputs`; vLLM renamed
+`Processor` and its `processor.py` to these names).
 """
 
 import functools

@@ -6,9 +6,9 @@ safetensors load with `load_state_dict` as they are. Every forward works on a fl
 (chapter 1), a contiguous cache (chapter 2) or a paged cache (chapter 3) — is the backend's business.
 
 Where this lives in vLLM: `vllm/model_executor/models/llama.py`; the backend plays the role of
-`vllm/attention/layer.py::Attention` with its per-step metadata passed explicitly (the backend is an argument of
-`forward`). Only the compiled fast path looks its backend up in a forward context, because the compiled graph
-cannot take one as an argument (`solutions/worker/compiled_forward.py`).
+`vllm/model_executor/layers/attention/attention.py::Attention` with its per-step metadata passed explicitly
+(the backend is an argument of `forward`). Only the compiled fast path looks its backend up in a forward context,
+because the compiled graph cannot take one as an argument (`solutions/worker/compiled_forward.py`).
 """
 
 import torch

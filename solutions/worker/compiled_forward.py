@@ -26,7 +26,8 @@ is padded to two rows, so that one compile serves every step. The padding row's 
 its K/V are never stored (the op hands the backend the real rows only).
 
 Where this lives in vLLM: `vllm/compilation/` (its `@support_torch_compile` decorator and backend),
-`vllm/forward_context.py`, and `unified_attention` in `vllm/attention/layer.py` (the custom op).
+`vllm/forward_context.py`, and `unified_attention` (the custom op) in
+`vllm/model_executor/layers/attention/attention.py`.
 """
 
 import contextlib

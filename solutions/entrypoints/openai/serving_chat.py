@@ -6,8 +6,9 @@ model), with `add_generation_prompt=True` so the prompt ends where the assistant
 conversation must not hold up the event loop. Streamed, each sample's first chunk carries
 `delta.role = "assistant"`, later chunks `delta.content`, the last one the `finish_reason`.
 
-Where this lives in vLLM: `vllm/entrypoints/openai/serving_chat.py` (`OpenAIServingChat`) and
-`vllm/entrypoints/chat_utils.py` (`apply_hf_chat_template`).
+Where this lives in vLLM: `vllm/entrypoints/openai/chat_completion/serving.py` (`OpenAIServingChat`) and
+`vllm/renderers/hf.py` (`HfRenderer.render_messages`, which applies the chat template; vLLM moved that there from
+`entrypoints/chat_utils.py`'s `apply_hf_chat_template`).
 """
 
 import asyncio

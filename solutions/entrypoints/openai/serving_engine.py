@@ -23,7 +23,7 @@ generator, whose `finally` closes `AsyncLLM.generate`, which aborts the request.
 to send until the end, so `until_disconnected` races the work against the connection's `http.disconnect` and
 cancels the work if the client leaves first — the same abort, through the same `finally`.
 
-Where this lives in vLLM: `vllm/entrypoints/openai/serving_engine.py` (`OpenAIServing`) and
+Where this lives in vLLM: `vllm/entrypoints/openai/engine/serving.py` (`OpenAIServing`) and
 `vllm/entrypoints/utils.py` (`with_cancellation`, `listen_for_disconnect`).
 """
 

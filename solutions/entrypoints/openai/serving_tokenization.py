@@ -13,7 +13,7 @@ and `/detokenize` of its `tokens` gives the text back.
 Neither endpoint generates, so neither checks `max_model_len` (that is what a client asks them about); both refuse
 a model other than the one served, and `/detokenize` an id outside the vocabulary, with a 400 naming `tokens`.
 
-Where this lives in vLLM: `vllm/entrypoints/openai/serving_tokenization.py` (`OpenAIServingTokenization`).
+Where this lives in vLLM: `vllm/entrypoints/serve/tokenize/serving.py` (`OpenAIServingTokenization`).
 """
 
 import asyncio
