@@ -1,7 +1,7 @@
 """The vLLM files the course cites, each checked against vLLM's repository (vllm-project/vllm) on a date.
 
 `CITED[path] = (status, commit, date)`: "current" — the file is in vLLM's tree and still holds what the course
-names in it (read at `commit`); "v0" — a file of vLLM's v0 engine (v0.8), cited as history, read at a commit where
+names in it (read at `commit`); "v0" — a file of vLLM's v0 engine, cited as history, read at a commit where
 it existed. `MOVED[path] = (new_path, commit, date)`: a path the course cited before vLLM moved what it held;
 `commit` is the one the new home was read at. tests/test_vllm_pointers.py fails on any vLLM path cited in
 chapters/, solutions/ or docs/ that is not in CITED, naming the new home of one that is in MOVED.

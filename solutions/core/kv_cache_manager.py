@@ -20,7 +20,7 @@ Invariants (checked by property tests over long random runs):
 
 Where this lives in vLLM: `vllm/v1/core/kv_cache_manager.py` (`KVCacheManager.get_computed_blocks`,
 `allocate_slots`, `free`), `vllm/v1/core/block_pool.py`; copy-on-write and fork are vLLM v0's
-(v0.8: `vllm/core/block_manager.py`: `fork`, `append_slots` returning the copies; `cache_engine.copy_blocks`) —
+(vLLM v0: `vllm/core/block_manager.py`: `fork`, `append_slots` returning the copies; `cache_engine.copy_blocks`) —
 vLLM v1 runs n samples as separate requests and shares their prompt through the prefix cache instead.
 """
 

@@ -12,7 +12,7 @@ instead of recomputing them.
 Both only decide *which* blocks move: the scheduler puts the pairs in its `SchedulerOutput`, and the model runner
 makes the copies (`transfer.py`) before the step's forward pass.
 
-Where this lives in vLLM: swapping is vLLM v0's (v0.8: `vllm/core/block_manager.py`: `can_swap_out`, `swap_out`,
+Where this lives in vLLM: swapping is vLLM v0's (`vllm/core/block_manager.py`: `can_swap_out`, `swap_out`,
 `can_swap_in`, `swap_in`; `vllm/worker/cache_engine.py`: `swap_in`, `swap_out`); the second tier is v1's
 `vllm/v1/kv_offload/` (`cpu/manager.py`: `CPUOffloadingManager`, `lookup`, `prepare_load`, `prepare_store`)
 behind the offloading KV connector (`vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py`).

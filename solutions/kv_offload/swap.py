@@ -6,7 +6,7 @@ device block, exactly as on the device. While swapped out, a sequence's `block_t
 functions change only the bookkeeping and return the copies to make, as (source block, destination block) pairs
 that the model runner executes before the step's forward pass (`transfer.swap_blocks`).
 
-Where this lives in vLLM: `vllm/core/block_manager.py` (vLLM v0.8's `BlockSpaceManager.swap_out` / `swap_in`, which
+Where this lives in vLLM: `vllm/core/block_manager.py` (vLLM v0's `BlockSpaceManager.swap_out` / `swap_in`, which
 return the same mapping; the CPU pool is its `cpu_allocator`).
 """
 

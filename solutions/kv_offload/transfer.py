@@ -9,7 +9,7 @@ block: gather the source blocks into one contiguous run, move the run to the oth
 into the destination blocks. On a GPU the runner issues a step's copies on a stream of their own (`KVTransfer`), and
 the forward pass waits for them only where it first touches the cache; on the CPU the same calls run in order.
 
-Where this lives in vLLM: `vllm/worker/cache_engine.py` (vLLM v0.8: `CacheEngine.swap_in` / `swap_out`, one
+Where this lives in vLLM: `vllm/worker/cache_engine.py` (vLLM v0: `CacheEngine.swap_in` / `swap_out`, one
 `swap_blocks` call per layer, which issues one `cudaMemcpyAsync` per block) and `vllm/v1/kv_offload/cpu/gpu_worker.py`
 (v1's offloading worker, its copies on CUDA streams with events).
 """

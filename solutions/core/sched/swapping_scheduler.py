@@ -10,7 +10,7 @@ budget that leaves to new admissions. The KV cache manager owns the swap pool an
 its blocks (`swap_out`, `swap_in`, `free_swapped`); the block copies travel in the `SchedulerOutput`, made by the
 runner before the forward pass.
 
-Where this lives in vLLM: vLLM v0.8's `vllm/core/scheduler.py` (`_preempt`, `_preempt_by_swap`, `_preempt_by_recompute`,
+Where this lives in vLLM: vLLM v0's `vllm/core/scheduler.py` (`_preempt`, `_preempt_by_swap`, `_preempt_by_recompute`,
 `_schedule_swapped`, `PreemptionMode`). vLLM v1 preempts by recompute only.
 """
 
