@@ -66,6 +66,7 @@ def injected_notebook(chapter: str) -> nbformat.NotebookNode:
     for cell in injected.cells:
         if cell.get("id") in expected:
             cell.outputs = [nbformat.from_dict(output) for output in expected[cell.id]]
+            cell.execution_count = 1  # nbval refuses outputs on a cell that has no count, as never run
     return injected
 
 
