@@ -436,12 +436,14 @@ def prediction_problems(nb: nbformat.NotebookNode) -> list[str]:
     """A "Predict first" question with no `predict` cell after it (before the next question), one that does not ask
     the learner to write the prediction down, or a `predict` cell that answers no question."""
     questions = [i for i, c in enumerate(nb.cells) if c.cell_type == "markdown" and _PREDICT_PROMPT.search(c.source)]
-    predicts = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and PREDICT_TAG in c.metadata.get("tags", [])]
+    tagged = [(i, c) for i, c in enumerate(nb.cells) if PREDICT_TAG in c.metadata.get("tags", [])]
+    predicts = [i for i, c in tagged if c.cell_type == "code"]
     problems = []
     for question, following in zip(questions, [*questions[1:], len(nb.cells)], strict=True):
         if not any(question < i < following for i in predicts):
             problems.append(f"cell {question}: a Predict-first question with no `{PREDICT_TAG}` cell after it")
-        if not _WRITE_IT_DOWN.search(nb.cells[question].source[_PREDICT_PROMPT.search(nb.cells[question].source).start():]):
+        source = nb.cells[question].source
+        if not _WRITE_IT_DOWN.search(source[_PREDICT_PROMPT.search(source).start():]):
             problems.append(f"cell {question}: a Predict-first question that does not ask to write the prediction down")
     problems += [f"cell {i}: a `{PREDICT_TAG}` cell after no Predict-first question"
                  for i in predicts if not any(q < i for q in questions)]
