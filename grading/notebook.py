@@ -17,11 +17,23 @@ from pathlib import Path
 import nbformat
 
 EXERCISE_TAG = "exercise"
+PREDICT_TAG = "predict"  # a code cell whose output answers the "Predict first" question above it
+CHECK_OUTPUT_TAG = "nbval-check-output"  # nbval compares this cell's output with the expected one
 _DEF_PATTERN = re.compile(r"^(?:async\s+)?(?:def|class)\s+(\w+)", re.MULTILINE)
+_CHECK_CALL = re.compile(r"(?<![\w.])check\(")
 
 
 def exercise_cells(nb: nbformat.NotebookNode) -> list[nbformat.NotebookNode]:
     return [c for c in nb.cells if c.cell_type == "code" and EXERCISE_TAG in c.metadata.get("tags", [])]
+
+
+def is_answer(cell: nbformat.NotebookNode) -> bool:
+    """Whether a cell's output is an answer, which the shipped notebook must not store: a grading cell (it calls
+    `check(`, and says "passed" over the learner's stubs) or a cell tagged `predict` (it answers a "Predict first"
+    question before the learner has run anything)."""
+    return cell.cell_type == "code" and (
+        bool(_CHECK_CALL.search(cell.source)) or PREDICT_TAG in cell.metadata.get("tags", [])
+    )
 
 
 def _strip_magics(source: str) -> str:

@@ -15,6 +15,11 @@ Both sides are parsed with `ast`, docstrings and decorators dropped. Three rules
 
 Those statements are the answers, so they stay out of what a learner reads: no file under chapters/ (the test files
 a traceback sends them to, the notebooks' cells and stored outputs, the data files) may state one.
+
+Nor may a shipped notebook store an output that is an answer (`grading.notebook.is_answer`): a `check(...)` cell's
+verdict ("all 3 tests passed" under a stub), or the output of a cell tagged `predict`, which answers the bold
+"**Predict first:**" question before it. Every such question has a `predict` cell after it, and asks the learner to
+write the prediction down before running it.
 """
 
 import ast
@@ -33,7 +38,7 @@ import pytest
 
 from grading import CHAPTERS
 from grading.impl import load_decisive
-from grading.notebook import EXERCISE_TAG, defined_names, exercise_cells
+from grading.notebook import EXERCISE_TAG, PREDICT_TAG, defined_names, exercise_cells, is_answer
 from grading.notebooks import chapter_reference
 
 SIMILARITY_LIMIT = 0.9
@@ -41,6 +46,8 @@ SHOWN_LIMIT = 0.5  # a hint showing this share of the reference's statements, or
 _GAP_COMMENT = re.compile(r"#.*\b(todo|your|fill)\b", re.IGNORECASE)
 _HINT_2 = re.compile(r"<summary>\s*Hint 2.*?</details>", re.DOTALL)
 _CODE_BLOCK = re.compile(r"```(?:python)?\n(.*?)```", re.DOTALL)
+_PREDICT_PROMPT = re.compile(r"\*\*Predict\b")  # a bold "Predict first:" opens a question to answer before running
+_WRITE_IT_DOWN = re.compile(r"\bwrite your (prediction|guess)", re.IGNORECASE)
 
 
 @functools.cache
@@ -414,3 +421,80 @@ def test_a_file_under_chapters_stating_a_decisive_line_is_caught(tmp_path):
     nb.cells[0].source = f"def f(seq, n):\n    {line}"  # filled in: no longer the shipped stub, so it is read
     nbformat.write(nb, path)
     assert "fake.ipynb cell 0 (code)" in file_hits(path)
+
+
+# --- no answer stored under a stub or a question ---------------------------------------------------------------
+
+
+def stored_answers(nb: nbformat.NotebookNode) -> list[str]:
+    """The answer cells (`is_answer`) that store an output or an execution count, as "cell i: its first line"."""
+    return [f"cell {i}: {cell.source.splitlines()[0]}" for i, cell in enumerate(nb.cells)
+            if is_answer(cell) and (cell.outputs or cell.execution_count is not None)]
+
+
+def prediction_problems(nb: nbformat.NotebookNode) -> list[str]:
+    """A "Predict first" question with no `predict` cell after it (before the next question), one that does not ask
+    the learner to write the prediction down, or a `predict` cell that answers no question."""
+    questions = [i for i, c in enumerate(nb.cells) if c.cell_type == "markdown" and _PREDICT_PROMPT.search(c.source)]
+    tagged = [(i, c) for i, c in enumerate(nb.cells) if PREDICT_TAG in c.metadata.get("tags", [])]
+    predicts = [i for i, c in tagged if c.cell_type == "code"]
+    problems = []
+    for question, following in zip(questions, [*questions[1:], len(nb.cells)], strict=True):
+        if not any(question < i < following for i in predicts):
+            problems.append(f"cell {question}: a Predict-first question with no `{PREDICT_TAG}` cell after it")
+        source = nb.cells[question].source
+        if not _WRITE_IT_DOWN.search(source[_PREDICT_PROMPT.search(source).start():]):
+            problems.append(f"cell {question}: a Predict-first question that does not ask to write the prediction down")
+    problems += [f"cell {i}: a `{PREDICT_TAG}` cell after no Predict-first question"
+                 for i in predicts if not any(q < i for q in questions)]
+    return problems
+
+
+def shipped_notebook(chapter: str) -> nbformat.NotebookNode:
+    return nbformat.read(CHAPTERS / chapter / f"{chapter}.ipynb", as_version=4)
+
+
+@pytest.mark.parametrize("chapter", chapter_names())
+def test_no_shipped_notebook_stores_an_answer(chapter):
+    stored = stored_answers(shipped_notebook(chapter))
+    assert not stored, (f"chapters/{chapter}: outputs of check or predict cells are answers a learner sees before "
+                        f"running anything (run `python -m grading.notebooks {chapter}`): {stored}")
+
+
+@pytest.mark.parametrize("chapter", chapter_names())
+def test_every_predict_first_question_is_answered_by_a_predict_cell(chapter):
+    problems = prediction_problems(shipped_notebook(chapter))
+    assert not problems, f"chapters/{chapter}: {problems}"
+
+
+def test_the_chapters_ask_predict_first_questions():
+    """The rule above reads something: most chapters ask, and tag the cells that answer."""
+    tagged = [c for chapter in chapter_names() for c in shipped_notebook(chapter).cells
+              if PREDICT_TAG in c.metadata.get("tags", [])]
+    assert len(tagged) >= 12, len(tagged)
+
+
+def test_a_stored_answer_is_caught():
+    """A verdict under a check cell and an output under a predict cell are caught; the same cells bare, and a demo's
+    output, are not; a question without its predict cell, or without asking for a prediction, is caught."""
+    passed = nbformat.v4.new_output("stream", text="exercise 'f': all 3 tests passed\n")
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("def f():\n    raise NotImplementedError", metadata={"tags": ["exercise"]}),
+        nbformat.v4.new_code_cell('check("f")', outputs=[passed], execution_count=2),
+        nbformat.v4.new_markdown_cell("**Predict first:** what does `f()` print? Write your prediction down."),
+        nbformat.v4.new_code_cell("f()", metadata={"tags": ["predict"]}, execution_count=3,
+                                  outputs=[nbformat.v4.new_output("stream", text="42\n")]),
+        nbformat.v4.new_code_cell("plot()", execution_count=4,
+                                  outputs=[nbformat.v4.new_output("stream", text="a demo's output\n")]),
+    ])
+    assert stored_answers(nb) == ['cell 1: check("f")', "cell 3: f()"]
+    assert prediction_problems(nb) == []
+    for cell in nb.cells[1], nb.cells[3]:
+        cell.outputs, cell.execution_count = [], None
+    assert stored_answers(nb) == []
+    nb.cells[3].metadata = {}
+    nb.cells[2].source = "**Predict first:** what does `f()` print?"
+    assert prediction_problems(nb) == [
+        "cell 2: a Predict-first question with no `predict` cell after it",
+        "cell 2: a Predict-first question that does not ask to write the prediction down",
+    ]
