@@ -110,6 +110,7 @@ _CURRENT = {
 _V0 = {
     "vllm/core/block/cpu_gpu_block_allocator.py": "bed874faf610cfd61d52e3e8e4d1b87643fb6c51",
     "vllm/core/block_manager.py": "9a4b60a4c91d972116c01e818048ab8868542d62",
+    "vllm/core/block_manager_v1.py": "a02da52a6cdd9f083e652847ebf6aa95cb8216d0",
     "vllm/core/scheduler.py": "0dce2b29aaaa36d3b7e5d80302b1018c1c296eee",
     "vllm/worker/cache_engine.py": "60b652b79cabe13e4059b5d5084bfed6eafc3cf1",
 }

@@ -350,6 +350,43 @@ def test_every_chapter_file_is_read():
     assert not any("DECISIVE" in (CHAPTERS / r).read_text() for r in CHAPTER_FILES if r.endswith(".py"))
 
 
+# --- every Hint 1 asks questions ----------------------------------------------------------------------------------
+
+_HINT_1 = re.compile(r"<details>\s*<summary>\s*Hint 1.*?</details>", re.DOTALL)
+_PITFALL = re.compile(r"pitfall", re.IGNORECASE)
+MIN_QUESTIONS = 2
+
+
+def hint_1_problems(markdown: str) -> list[str]:
+    """Why each Hint 1 in `markdown` (a markdown cell's source) breaks the rule of issue 51, "every hint 1 asks
+    questions (not a list of pitfalls)": fewer than MIN_QUESTIONS question marks, or pitfall wording (a list of
+    pitfalls, each stating its fix, is the answer)."""
+    problems = []
+    for hint in _HINT_1.findall(markdown):
+        first = " ".join(hint.split())[:80]
+        if hint.count("?") < MIN_QUESTIONS:
+            problems.append(f"asks {hint.count('?')} question(s) (at least {MIN_QUESTIONS}): {first!r}")
+        if _PITFALL.search(hint):
+            problems.append(f"lists pitfalls instead of asking about the situations: {first!r}")
+    return problems
+
+
+def hint_1_cells(chapter: str) -> list[tuple[str, str]]:
+    """(cell id, source) of every markdown cell of the chapter's notebook holding a Hint 1."""
+    nb = nbformat.read(CHAPTERS / chapter / f"{chapter}.ipynb", as_version=4)
+    return [(cell.get("id", str(i)), cell.source) for i, cell in enumerate(nb.cells)
+            if cell.cell_type == "markdown" and _HINT_1.search(cell.source)]
+
+
+@pytest.mark.parametrize("chapter", chapter_names())
+def test_every_hint_1_asks_questions(chapter):
+    cells = hint_1_cells(chapter)
+    assert cells, f"{chapter}: no Hint 1 found in its notebook"
+    problems = [f"{chapter}, cell {cell_id}: Hint 1 {problem}" for cell_id, source in cells
+                for problem in hint_1_problems(source)]
+    assert not problems, "\n".join(problems) + "\nAsk the questions that lead to each decision; leave the answers out."
+
+
 # --- the check itself can fail ------------------------------------------------------------------------------------
 
 
@@ -498,3 +535,24 @@ def test_a_stored_answer_is_caught():
         "cell 2: a Predict-first question with no `predict` cell after it",
         "cell 2: a Predict-first question that does not ask to write the prediction down",
     ]
+
+
+def test_a_hint_1_listing_pitfalls_is_caught():
+    """A Hint 1 that states the steps and ends with a pitfall list is flagged (too few questions, pitfall wording);
+    one with a single question is flagged; the same content asked as questions passes, and so does a Hint 2."""
+    stated = ("<details><summary>Hint 1: the idea, and the pitfalls</summary>\n\nWalk the table in order and stop at "
+              "the first miss.\n\nPitfalls the tests catch: counting blocks after a miss; taking references.\n"
+              "</details>")
+    problems = hint_1_problems(stated)
+    assert len(problems) == 2 and "question" in problems[0] and "pitfalls" in problems[1], problems
+    no_wording = stated.replace("Pitfalls the tests catch", "Beware").replace(", and the pitfalls", "")
+    statements_only = hint_1_problems(no_wording)
+    assert len(statements_only) == 1 and "0 question(s)" in statements_only[0], statements_only
+    with_questions = hint_1_problems(stated.replace(".\n\nPitfalls", "? Why? Pitfalls"))
+    assert len(with_questions) == 1 and "pitfalls" in with_questions[0], with_questions
+    one = "<details><summary>Hint 1: the idea</summary>\n\nWhere does the walk stop?\n</details>"
+    assert len(hint_1_problems(one)) == 1
+    asked = ("<details><summary>Hint 1: the idea</summary>\n\nIn which order do you walk the table, and where does "
+             "it stop? After a miss, can a later block still be used? Is a reference yours to take?\n</details>")
+    assert hint_1_problems(asked) == []
+    assert hint_1_problems(asked + "\n\n<details><summary>Hint 2: a skeleton</summary>\n\nPitfall\n</details>") == []
