@@ -819,7 +819,6 @@ MUTANTS = {
 # For every exercise, a mutant that makes the capstone (SmolLM2, preemption storm, chunked prefill, prefix caching,
 # a sampled request with penalties) fail: the capstone really runs each exercise.
 CAPSTONE_MUTANTS = {
-    "schedule_drops_the_copies": {"Scheduler": DropsTheCopies},
     "Scheduler": "schedule_ignores_cached_tokens",
     "select_victim": "select_victim_lowest_priority_anywhere",
     "allocate_or_preempt": "allocate_or_preempt_keeps_the_victim_scheduled",
