@@ -1,27 +1,20 @@
 """Serving metrics in Prometheus's text format, under vLLM v1's names, for the server's `/metrics`.
 
-Three kinds of metric, as Prometheus defines them:
-- gauges hold the latest value: `vllm:num_requests_running`, `vllm:num_requests_waiting`,
-  `vllm:kv_cache_usage_perc` (a fraction 0..1, as in vLLM v1, despite the name), `vllm:num_requests_swapped`
-  (vLLM v0's: sequences whose blocks are in the swap pool, chapter 11), `vllm:num_dead_replicas` (ours, data
-  parallelism: replicas whose process died; the server keeps serving on the others);
-- counters only grow (the exposition adds `_total`): `vllm:prompt_tokens`, `vllm:generation_tokens`,
-  `vllm:prefix_cache_queries`, `vllm:prefix_cache_hits` (both in tokens), `vllm:num_preemptions`, and the host
-  tier's `vllm:external_prefix_cache_queries`, `vllm:external_prefix_cache_hits` (tokens looked up past the device's
-  hits, and found in host memory; chapter 11);
-  a rate (tokens/s, hit rate) is computed by whoever scrapes them, from two scrapes;
-- histograms count observations per bucket, so percentiles can be estimated later:
-  `vllm:time_to_first_token_seconds` (arrival in `generate` → first token) and
-  `vllm:inter_token_latency_seconds` (between one request's consecutive outputs).
+- gauges (the latest value): `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`
+  (a fraction 0..1, as in vLLM v1), `vllm:num_requests_swapped` (vLLM v0's, chapter 11), `vllm:num_dead_replicas`
+  (ours: data-parallel replicas whose process died);
+- counters (exposed with `_total`; rates come from two scrapes): `vllm:prompt_tokens`, `vllm:generation_tokens`,
+  `vllm:prefix_cache_queries`, `vllm:prefix_cache_hits` (in tokens), `vllm:num_preemptions`, and the host tier's
+  `vllm:external_prefix_cache_queries`, `vllm:external_prefix_cache_hits` (chapter 11);
+- histograms: `vllm:time_to_first_token_seconds` (arrival → first token), `vllm:inter_token_latency_seconds`.
 
-With speculative decoding on (and only then, as in vLLM), four more counters: `vllm:spec_decode_num_drafts`
-(sequences' drafts verified), `vllm:spec_decode_num_draft_tokens`, `vllm:spec_decode_num_accepted_tokens` and
-`vllm:spec_decode_num_accepted_tokens_per_pos` (label `position`, 0 .. num_speculative_tokens - 1: drafts accepted
-at least that far). From two scrapes: the acceptance rate is accepted / draft tokens, the mean acceptance length
-1 + accepted tokens / drafts (the bonus token counted), and per position accepted_per_pos / drafts.
+With speculative decoding on (only then, as in vLLM): `vllm:spec_decode_num_drafts`,
+`vllm:spec_decode_num_draft_tokens`, `vllm:spec_decode_num_accepted_tokens` and
+`vllm:spec_decode_num_accepted_tokens_per_pos` (label `position`). Acceptance rate: accepted / draft tokens; mean
+acceptance length: 1 + accepted / drafts.
 
-Every metric carries a `model_name` label, as vLLM's do. The logger owns its own `CollectorRegistry`, not
-`prometheus_client`'s global one: two engines in one process (tests, a benchmark) keep separate books.
+Every metric carries a `model_name` label. The logger owns its `CollectorRegistry`, not `prometheus_client`'s
+global one, so two engines in one process keep separate books.
 
 Where this lives in vLLM: `vllm/v1/metrics/loggers.py` (`PrometheusStatLogger`) and
 `vllm/v1/spec_decode/metrics.py` (`SpecDecodingProm`).
