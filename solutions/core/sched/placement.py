@@ -55,24 +55,13 @@ class ReplicaState:
 
     @property
     def load(self) -> float:
-        """vLLM's load score of a data-parallel engine, as far as one scheduler has its inputs:
-        `running + waiting + waiting * 6 * max(0, kv_cache_usage - 0.5)`.
+        """vLLM's load score of a data-parallel engine: `running + waiting + waiting * 6 * max(0, usage - 0.5)`.
 
-        vLLM (`vllm/v1/engine/core_client.py`, `DPLBAsyncMPClient.get_core_engine_for_request`, read 2026-12-03 at
-        commit 00080ee; since PR #49204, opened 2026-07-20 and merged) scores an engine
-        `max(client_count * inflight, waiting + running)`, plus `waiting * 6.0 * max(0.0, kv_cache_usage - 0.5)`
-        when it has waiting requests: a queue on an engine whose KV cache is more than half full drains slowly, so
-        each waiting request weighs from 1 (at 50% usage or less) up to 4 (a full pool). Before that PR the score
-        was `waiting * 4 + running` (the score this course used until 2026-12-03).
-
-        `inflight` is the front-end process's own count of its unfinished requests on that engine, and
-        `client_count` the number of front-end (API server) processes: their product estimates what every
-        front end has sent there, a floor that a stale snapshot of `waiting + running` (the engines publish their
-        counts through a coordinator, which broadcasts them about every 100 ms) cannot erase. Here there is one
-        front end and no snapshot: the scheduler reads each replica's queues when it places, so what it has in
-        flight on a replica is exactly what runs and waits there (its swapped sequences aside, which vLLM v1,
-        preempting by recompute into `waiting`, has no counterpart of, and which neither score counts). The floor
-        never exceeds the counts, so that term has no meaning here and is left out.
+        A queue on an engine whose KV cache is more than half full drains slowly, so each waiting request weighs from 1
+        (at 50% usage or less) up to 4 (a full pool). vLLM (`DPLBAsyncMPClient.get_core_engine_for_request`, read
+        2026-12-03 at commit 00080ee, since PR #49204; before it `waiting * 4 + running`) also takes the max with
+        `client_count * inflight`, a floor against its engines' stale ~100 ms snapshots; here the scheduler reads each
+        replica's queues when it places, so that floor never exceeds the counts and is left out.
         """
         pressure = max(0.0, self.kv_cache_usage - 0.5)
         return self.num_running + self.num_waiting + self.num_waiting * 6 * pressure
