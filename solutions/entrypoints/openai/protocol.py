@@ -2,26 +2,21 @@
 
 Structured output comes in OpenAI's `response_format` (`{"type": "json_schema", "json_schema": {"name": ...,
 "schema": {...}}}` or `{"type": "json_object"}`), or in vLLM's `structured_outputs` object (`json`, `regex`,
-`choice`, `grammar`) or its older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` fields; at
-most one of them per request.
+`choice`, `grammar`) or its older `guided_*` fields; at most one of them per request.
 
-Requests are pydantic models, so a wrong type or a missing field is caught before the engine sees anything, with
-the field's name. What a request may hold is vLLM's surface, because the clients people point at a server are
-written for vLLM's: its benchmark client always sends `"repetition_penalty": 1.0`, lm-evaluation-harness sends
-`echo` and `seed`, the `openai` client `user` and `metadata`. So, as vLLM's `OpenAIBaseModel` does:
-- a field this server does not know is accepted and ignored, with a logged warning naming it (the price: a typo
-  such as `max_token` is ignored too, and generates 16 tokens; the warning is where it shows — vLLM 0.32 logs
-  the same line at debug level, earlier versions as a warning);
-- a field it knows is used: OpenAI's, and vLLM's sampler extensions (`top_k`, `min_p`, `ignore_eos`,
-  `stop_token_ids`, the penalties, `min_tokens`, `logit_bias`, `allowed_token_ids`, `prompt_logprobs`,
-  `bad_words`), each passed to the `SamplingParams` field of the same name, which checks its value (the `openai`
-  client sends vLLM's through `extra_body`);
-- a known feature this engine does not implement (beam search, `suffix`, tools...) is accepted at the value
-  that changes nothing (`"use_beam_search": false`, `"tools": []`) and refused with a 400 naming the field at any
-  other value: ignoring it would answer a different question than the one asked.
+Requests are pydantic models, so a wrong type or a missing field is caught with the field's name. What a request
+may hold is vLLM's surface, since clients are written for vLLM's (its benchmark client sends
+`"repetition_penalty": 1.0`, lm-evaluation-harness `echo` and `seed`, the `openai` client `user` and `metadata`).
+So, as vLLM's `OpenAIBaseModel` does:
+- an unknown field is accepted and ignored, with a logged warning naming it (so a typo such as `max_token` is
+  ignored too; the warning is where it shows);
+- a known field is used: OpenAI's, and vLLM's sampler extensions (`top_k`, `min_p`, the penalties, `logit_bias`,
+  ...), each passed to the `SamplingParams` field of the same name, which checks its value;
+- a known feature this engine does not implement (beam search, `suffix`, tools...) is accepted at the value that
+  changes nothing (`"use_beam_search": false`) and refused with a 400 naming the field at any other value.
 
-The values themselves are checked once, by `SamplingParams`; its ValueError comes back as a `RequestError`
-naming the request's field (`max_completion_tokens` rather than `SamplingParams.max_tokens`).
+`SamplingParams`' ValueError comes back as a `RequestError` naming the request's field (`max_completion_tokens`
+rather than `SamplingParams.max_tokens`).
 
 Where this lives in vLLM: `vllm/entrypoints/openai/completion/protocol.py`, `.../chat_completion/protocol.py`
 and `vllm/entrypoints/serve/engine/protocol.py` (`OpenAIBaseModel`).
