@@ -360,28 +360,35 @@ class ChatMessageParam(OpenAIRequest):
         return message | {key: value for key, value in given.items() if value is not None}
 
 
-def one_way_to_end_the_prompt(continue_final_message: bool, info: ValidationInfo) -> bool:
-    """`continue_final_message` and `add_generation_prompt` end the prompt in two different places: one at most."""
-    if continue_final_message and info.data.get("add_generation_prompt"):
-        raise ValueError("continue_final_message needs add_generation_prompt: false (the prompt ends in the "
-                         "last message, not where a new assistant message begins)")
-    return continue_final_message
+class ChatTemplateFields(OpenAIRequest):
+    """Where a conversation's prompt ends, for the chat template: the default ends it where the assistant's reply
+    begins; `continue_final_message` (vLLM's) instead leaves the last (assistant) message open, to be continued."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _one_way_to_end_the_prompt(cls, value: bool, info: ValidationInfo) -> bool:
+        """The two end the prompt in two different places: one at most."""
+        if value and info.data.get("add_generation_prompt"):
+            raise ValueError("continue_final_message needs add_generation_prompt: false (the prompt ends in the "
+                             "last message, not where a new assistant message begins)")
+        return value
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The subclass's `messages`, as the template reads them."""
+        return [message.for_template() for message in self.messages or []]
 
 
-class ChatCompletionRequest(SamplingFields):
-    """`POST /v1/chat/completions`. No `max_tokens` (or `max_completion_tokens`, its newer name) fills the context.
-
-    `add_generation_prompt` and `continue_final_message` (vLLM's) go to the chat template: the default ends the
-    prompt where the assistant's reply begins; `continue_final_message` instead leaves the last (assistant)
-    message open, to be continued."""
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
+    """`POST /v1/chat/completions`. No `max_tokens` (or `max_completion_tokens`, its newer name) fills the context."""
 
     messages: list[ChatMessageParam] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False  # the sampled token's log-probability per generated token
     top_logprobs: int | None = None  # ...and the top-k tokens' (needs logprobs: true)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = unsupported(None, [])
     tool_choice: str | dict[str, Any] | None = unsupported(None, "none", "auto")
 
@@ -403,16 +410,8 @@ class ChatCompletionRequest(SamplingFields):
     def _num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    @field_validator("continue_final_message")
-    @classmethod
-    def _one_way_to_end_the_prompt(cls, value: bool, info: ValidationInfo) -> bool:
-        return one_way_to_end_the_prompt(value, info)
 
-    def conversation(self) -> list[dict[str, Any]]:
-        return [message.for_template() for message in self.messages]
-
-
-class TokenizeRequest(OpenAIRequest):
+class TokenizeRequest(ChatTemplateFields):
     """`POST /tokenize` (vLLM's): a text (`prompt`) or a conversation (`messages`, rendered by the chat template as
     the chat endpoint renders it), not both. `add_special_tokens` defaults as vLLM's: true for a text, false for a
     conversation (the template writes them); `return_token_strs` adds each token's vocabulary entry."""
@@ -421,8 +420,6 @@ class TokenizeRequest(OpenAIRequest):
     prompt: str | None = None
     messages: list[ChatMessageParam] | None = Field(default=None, min_length=1, validate_default=True)
     add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
     return_token_strs: bool = False
 
     @field_validator("messages")
@@ -433,14 +430,6 @@ class TokenizeRequest(OpenAIRequest):
         if (value is None) == (info.data.get("prompt") is None):
             raise ValueError("give prompt (a text) or messages (a conversation): exactly one of them")
         return value
-
-    @field_validator("continue_final_message")
-    @classmethod
-    def _one_way_to_end_the_prompt(cls, value: bool, info: ValidationInfo) -> bool:
-        return one_way_to_end_the_prompt(value, info)
-
-    def conversation(self) -> list[dict[str, Any]]:
-        return [message.for_template() for message in self.messages or []]
 
 
 class DetokenizeRequest(OpenAIRequest):
