@@ -182,16 +182,12 @@ def run_beam_search(
 ) -> list[list[BeamSearchSequence]]:
     """Beam search for every prompt at once, one forward pass per step for all live beams of all prompts.
 
-    Drives `manager` and `model_runner` directly, as its own small scheduler: each step allocates slots for
-    every live beam (its prompt at the first step, with prefix hits; then its newest token), gathers the
-    copy-on-write copies, advances the beams' computed tokens as the scheduler does, and runs one forward pass.
-    `on_step(manager, beams)` is called after each step's allocation (for memory measurements). Returns, per
-    prompt, its beams best first (text not filled in). Raises ValueError if the KV cache cannot hold the beams.
-
-    With a swap pool (`manager.swap_pool`, chapter 11's `preemption_mode="swap"`), the beams of one prompt are a
-    sequence group: when the step's beams would not fit, the last prompts' groups are swapped out whole (shared
-    blocks once) and wait there, each swapped back in once the device has room for it; only beams on the device
-    step. Without one, or if a single prompt's beams do not fit alone, the cache must hold them: ValueError.
+    Drives `manager` and `model_runner` directly, as its own small scheduler: each step allocates slots for every
+    live beam (its prompt with prefix hits at the first step, then its newest token), gathers the copy-on-write
+    copies, advances the computed tokens as the scheduler does, and runs one forward pass. `on_step(manager, beams)`
+    is called after each step's allocation (for memory measurements). Returns, per prompt, its beams best first (text
+    not filled in). With a swap pool (chapter 11), a prompt's beams are a sequence group, swapped out whole when the
+    step's beams would not fit (`_swap_beam_groups`); without one, or if one prompt's beams cannot fit: ValueError.
     """
     seq_ids = itertools.count() if seq_ids is None else seq_ids
     eos = None if params.ignore_eos else eos_token_id

@@ -127,15 +127,10 @@ def local_config(config: ModelConfig, part: Partition) -> ModelConfig:
 
 def shard_weight(name: str, tensor: torch.Tensor, part: Partition, head_dim: int) -> torch.Tensor:
     """The part of the full model's parameter `name` (e.g. "model.layers.0.self_attn.q_proj.weight") that the rank
-    holding `part` keeps.
-
-    A linear layer's weight is (out_features, in_features). Column-parallel layers keep output rows: q_proj the
-    rows of its query heads, k_proj and v_proj those of its K/V heads (`head_dim` rows per head), gate_proj and
-    up_proj those of its hidden units, and their biases the same entries. Row-parallel layers keep input
-    columns: o_proj the columns of its query heads, down_proj those of its hidden units; their bias stays whole
-    (it is added once, after the all-reduce). The embedding and the LM head keep the rows of its vocabulary
-    range. Everything else (the norms) is replicated: every rank keeps it whole.
-    """
+    holding `part` keeps: column-parallel layers (q/k/v_proj by heads, gate/up_proj by hidden units) keep output rows
+    of the (out_features, in_features) weight and those bias entries; row-parallel layers (o_proj, down_proj) keep
+    input columns and a whole bias (added once, after the all-reduce); the embedding and LM head keep their vocabulary
+    range's rows; the norms stay whole."""
     q = (part.q_heads[0] * head_dim, part.q_heads[1] * head_dim)
     kv = (part.kv_heads[0] * head_dim, part.kv_heads[1] * head_dim)
     keep = {  # (module, parameter) -> (dimension, [start, end))

@@ -438,13 +438,11 @@ def hand_back_rejected_drafts(kv_cache_manager: KVCacheManager, seq: Sequence, s
     in the prefix cache the blocks they filled (vLLM: `num_computed_tokens -= num_rejected` in
     `Scheduler.update_from_output`; it registers the blocks at the next `allocate_slots`).
 
-    Scheduling wrote K/V at positions `start` (the newest token) to `start + k` (the k drafts) and advanced
-    `num_computed_tokens` past them all. Verification returned `num_sampled` tokens, the accepted drafts and one of
-    the target's, already appended: all of them, or those up to a stop. The K/V that are the sequence's are the newest
-    token's and the accepted drafts', up to position `start + num_sampled - 1`, and only as far as the sequence's
-    tokens go after a stop; the last sampled token has none yet (its slot holds a rejected draft's, or nothing).
-    The blocks only rejected drafts used stay with the sequence, as in vLLM: the next step's drafts write there, and
-    a block freed now would send the next step to the free queue's head for one, evicting a cached block.
+    Scheduling wrote K/V at positions `start` (the newest token) to `start + k` and advanced `num_computed_tokens`
+    past them all. Of the `num_sampled` tokens verification appended, the K/V that are the sequence's reach position
+    `start + num_sampled - 1` (no further than its tokens after a stop); the last sampled token has none yet. The
+    blocks only rejected drafts used stay with the sequence, as in vLLM: the next drafts write there, and freeing one
+    now would evict a cached block for the next step.
     """
     seq.num_computed_tokens = min(start + num_sampled, seq.num_tokens)
     kv_cache_manager.cache_blocks(seq, start, seq.num_computed_tokens)

@@ -276,12 +276,10 @@ class SamplingFields(OpenAIRequest):
 class CompletionRequest(SamplingFields):
     """`POST /v1/completions`. OpenAI's default `max_tokens` is 16; an explicit `null` fills the context.
 
-    `echo: true` puts the prompt before the completion, and with `logprobs: k` the prompt's logprobs before the
-    completion's (the first prompt token has none: nothing comes before it). `echo` with `max_tokens: 0` returns
-    the prompt alone, as vLLM does: the engine generates one token (it always generates at least one), which the
-    response drops from the text and the logprobs but, as vLLM's, counts in `usage.completion_tokens`. That is
-    how an evaluation harness scores a text: lm-evaluation-harness's `local-completions` asks for `echo`,
-    `logprobs: 1`, `max_tokens: 1` and sums the prompt's token logprobs.
+    `echo: true` puts the prompt (and with `logprobs: k` its logprobs, none for the first token) before the
+    completion. `echo` with `max_tokens: 0` returns the prompt alone, as vLLM does: the one token the engine generates
+    is dropped from the text and logprobs but counted in `usage.completion_tokens`. That is how lm-evaluation-harness's
+    `local-completions` scores a text (`echo`, `logprobs: 1`, `max_tokens: 1`, summing the prompt's logprobs).
     """
 
     prompt: str | list[int] | list[str] | list[list[int]]
