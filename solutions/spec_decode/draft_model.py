@@ -87,13 +87,10 @@ class DraftAttention:
 
 
 class DraftModelProposer:
-    """Drafts `num_speculative_tokens` tokens per sequence with the target's first `num_draft_layers` layers
-    (method "draft_model"; `num_draft_layers` is ours: vLLM's draft model is a separate checkpoint).
-
-    `caches` holds a `DraftKVCache` per sequence of the last proposal's batch. The counters make the cost of
-    keeping them visible: over `num_proposals` calls, `num_catch_up_tokens` tokens re-read (each prompt once,
-    then every verified token the draft had not fed itself), the seconds spent in catch-up passes (each also
-    yields the first draft) and in the k - 1 later draft steps.
+    """Drafts `num_speculative_tokens` tokens per sequence with the target's first `num_draft_layers` layers (method
+    "draft_model"). `caches` holds a `DraftKVCache` per sequence of the last proposal's batch; the counters show what
+    keeping them costs: over `num_proposals` calls, `num_catch_up_tokens` tokens re-read, and the seconds spent in
+    catch-up passes (each also yields the first draft) and in the k - 1 later draft steps.
     """
 
     def __init__(self, model: LlamaForCausalLM, num_draft_layers: int, num_speculative_tokens: int) -> None:

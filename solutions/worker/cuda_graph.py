@@ -37,11 +37,8 @@ PAD_SLOT_ID = -1  # a padding token's slot: the store kernel skips it
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    """The batch sizes that get a graph: powers of two below `max_num_seqs`, then `max_num_seqs` itself.
-
-    Padding a batch to the next size at most doubles its rows, and a decode step of a small model costs about
-    the same for 33 rows as for 64 (it is bound by launches and by reading the weights, not by rows).
-    """
+    """The batch sizes that get a graph: powers of two below `max_num_seqs`, then `max_num_seqs` itself. Padding at
+    most doubles a batch's rows, which a small model's launch-bound decode step barely notices."""
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
     sizes = [1]
@@ -97,14 +94,10 @@ def pad_decode_batch(
 
 
 class CUDAGraphRunner:
-    """The decode forward pass over static buffers, one captured graph per batch size in `capture_sizes`.
-
-    `capture=False` keeps the same static-buffer path without graphs: every step then runs the padded forward
-    eagerly. That is how the CPU tests check the padding (tokens unchanged, the cache untouched by padding rows)
-    where CUDA is absent; on a GPU `ModelRunner` always captures. The graphs hold the runner's one forward callable,
-    `forward_logits` (the compiled forward pass and the LM head, or the eager model and its head): `run` returns
-    logits.
-    """
+    """The decode forward pass over static buffers, one captured graph per batch size in `capture_sizes`; `run` returns
+    the logits of the runner's one forward callable, `forward_logits`. `capture=False` runs the same padded path
+    eagerly, without graphs: how the CPU tests check the padding (tokens unchanged, the cache untouched by padding
+    rows); on a GPU `ModelRunner` always captures."""
 
     def __init__(
         self, model: LlamaForCausalLM, kv_cache: KVCache, max_num_seqs: int, max_model_len: int, block_size: int,

@@ -146,13 +146,10 @@ def build_drafter(model: LlamaForCausalLM, config: SpeculativeConfig) -> Propose
 
 
 class ModelRunner:
-    """Owns the model and the paged KV cache (on the model's device, in its dtype); one `execute_model` call is
-    one forward pass.
-
-    The forward pass is compiled (`self.compiled_forward`) unless `enforce_eager`, on the devices the attention
-    backend's class names (`compiles_on`): with "inductor" on the CPU, with "triton" on a GPU. On a GPU, CUDA
-    graphs of the compiled forward are captured for pure-decode steps when the largest batch (`max_num_seqs`) and
-    context (`max_model_len`) are given; `self.cuda_graphs` is None otherwise.
+    """Owns the model and the paged KV cache (on the model's device, in its dtype); one `execute_model` call is one
+    forward pass. Unless `enforce_eager`, the forward pass is compiled (`self.compiled_forward`) on the devices the
+    attention backend names (`compiles_on`), and on a GPU CUDA graphs of it are captured for pure-decode steps when
+    `max_num_seqs` and `max_model_len` are given (`self.cuda_graphs`, else None).
     """
 
     def __init__(

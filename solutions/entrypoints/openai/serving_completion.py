@@ -13,6 +13,7 @@ vLLM's `prompt_logprobs` whenever the engine computed them.
 Where this lives in vLLM: `vllm/entrypoints/openai/completion/serving.py` (`OpenAIServingCompletion`).
 """
 
+import functools
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 from fastapi import Request
@@ -139,9 +140,5 @@ class OpenAIServingCompletion(OpenAIServing):
                 chunks.append(chunk([choice], usage))
             return chunks
 
-        def usage_event(usage: UsageInfo) -> str:
-            return chunk([], usage)
-
-        return sse_events(
-            firsts, outputs, events, usage_event if request.include_usage else None, request.continuous_usage
-        )
+        usage_event = functools.partial(chunk, []) if request.include_usage else None  # a chunk with no choices
+        return sse_events(firsts, outputs, events, usage_event, request.continuous_usage)
