@@ -53,13 +53,10 @@ SHUTDOWN_TIMEOUT_SECONDS = 10.0  # for the core to finish its current step and e
 
 
 class EngineCoreClient(ABC):
-    """Send requests to the engine core, read its messages back.
-
-    Where the core runs in this process (`InprocClient`, `ThreadClient`), the client also answers for its parts:
-    `scheduler`, `model_executor`, `structured_output_manager` and `has_unfinished_requests()`, read by the tests,
-    the grader, the benchmarks and `python -m solutions` (a front end uses none of them). They are the core's own
-    objects, not copies; under `ThreadClient` the core's thread changes them while you read. `MPClient`'s core is in
-    another process, so they raise there instead."""
+    """Send requests to the engine core, read its messages back. Where the core runs in this process (`InprocClient`,
+    `ThreadClient`), the client also lends its parts — `scheduler`, `model_executor`, `structured_output_manager`,
+    `has_unfinished_requests()` — to the tests, the grader, the benchmarks and `python -m solutions` (never to a front
+    end): the core's own objects, changed by its thread under `ThreadClient`; `MPClient` raises instead."""
 
     engine_core: EngineCore | None = None  # the core itself where it runs in this process; None in `MPClient`
 

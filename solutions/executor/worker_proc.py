@@ -177,8 +177,7 @@ def start_workers(
 def poll(workers: dict[int, WorkerProc], deadlines: dict[int, float]) -> tuple[dict[int, object], list[int]]:
     """Wait until one of `workers` (key -> worker) replies or the earliest of their `deadlines` (monotonic seconds)
     passes, then take every reply already there: (key -> its payload, the keys of those that died or are past their
-    deadline, which are killed). A worker that sends a traceback raises it here, naming the worker: a bug, not a
-    fault."""
+    deadline, which are killed). A worker's traceback is raised here, naming the worker: a bug, not a fault."""
     replies: dict[int, object] = {}
     dead: list[int] = []
     pending = {worker.conn: key for key, worker in workers.items()}

@@ -100,12 +100,10 @@ def threads_for(others: float, limit: int) -> int:
 
 
 class CpuThreadPolicy:
-    """Sets torch's intra-op threads before each step: `fixed` threads, or (None) the count the machine's load
-    suggests (`threads_for`, sampled every `SAMPLE_SECONDS`) put to the test of the step clock (a probe every
-    `PROBE_EVERY` seconds). An `OMP_NUM_THREADS` in the environment is a fixed count too (the user's choice, as for
-    any OpenMP program); `restore()` gives the process its count back.
-
-    The executor calls `before_step()` before each forward pass and `after_step()` with its time after it."""
+    """Sets torch's intra-op threads before each step (`before_step()`; `after_step()` gets the step's time): `fixed`
+    threads (an `OMP_NUM_THREADS` in the environment counts as fixed), or the count the load suggests (`threads_for`,
+    sampled every `SAMPLE_SECONDS`) tested by the step clock every `PROBE_EVERY` seconds. `restore()` gives the
+    process its count back."""
 
     def __init__(self, fixed: int | None = None) -> None:
         self.initial = torch.get_num_threads()

@@ -365,9 +365,8 @@ class ModelRunner:
 
     def warm_up(self) -> None:
         """Compile before the first request, as vLLM does at start-up: a step with a prefill of two tokens beside a
-        prefill of one (T != B, so the graph does not tie the two sizes), then a decode step, which compiles the
-        in-place decode attention. The dummy tokens are written to the first slots
-        of block 0, a free block: whatever a free block holds is overwritten before it is read."""
+        prefill of one (T != B, so the graph does not tie the two sizes), then a decode step. The dummy tokens go to the
+        first slots of block 0, a free block, whose contents are overwritten before they are read."""
         steps = [  # (token slots, query_start_loc, seq_lens, block tables)
             ([0, 1, 16], [0, 2, 3], [2, 1], [[0], [1]]),
             ([2, 17], [0, 1, 2], [3, 2], [[0], [1]]),
