@@ -78,11 +78,8 @@ class DataParallelModelRunnerOutput:
 
 class DataParallelScheduler:
     """Places sequences on replicas and runs each replica's `Scheduler`; the engine core's verbs, as `Scheduler`'s.
-
     Invariants: an unplaced sequence (`replica` None) is in `waiting` and holds no block; a placed one is in its
-    replica's queues and holds blocks of its pool only; `requests` is shared with every replica (one record of each
-    request's samples, wherever they run).
-    """
+    replica's queues and holds blocks of its pool only; `requests` is shared with every replica."""
 
     def __init__(self, replicas: list[Scheduler], placement: PlacementPolicy, policy: SchedulingPolicy) -> None:
         self.replicas = replicas
