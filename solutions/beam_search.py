@@ -1,20 +1,16 @@
 """Beam search over the paged KV cache: beams are sequences that share blocks.
 
-Each step, every live beam proposes its continuations; of all (beam, token) candidates the `beam_width` with
-the highest cumulative logprob survive. A survivor *forks* its parent (its block table is the parent's, every
-block's `ref_cnt` + 1) and appends its token; then every parent is freed. A parent with two survivors therefore
-keeps its blocks (shared), a parent with none gives them back, and the shared partial last block is copied on
-write when the survivors write their next token into it. That is why beam search saves so much memory with
-paging (the paper's §4.5 and §6.3): beams share most of their history.
+Each step, of all (beam, token) candidates the `beam_width` with the highest cumulative logprob survive. A
+survivor *forks* its parent (the parent's block table, every block's `ref_cnt` + 1) and appends its token; then
+every parent is freed. So a parent with two survivors keeps its blocks shared, one with none gives them back, and
+the shared partial last block is copied on write. Beams share most of their history: that is why paging saves so
+much memory here (the paper's §4.5 and §6.3).
 
-The ranking is the textbook algorithm Hugging Face `generate(num_beams=k)` implements: candidates ranked by
-cumulative logprob every step (the top 2k tokens of the flattened (beams × vocab) scores, so that up to k of
-them may end in EOS and k live ones still remain); a candidate ending in EOS (if not ignored) among the first
-k is set aside as finished; the search of a prompt ends once `beam_width` beams have finished (HF's
-`early_stopping=True`) or after `max_tokens` tokens. Only then is the length penalty applied, to rank finished
-and live beams together, with vLLM's score `cum_logprob / len ** length_penalty` (len counts the prompt, and
-not a final EOS). vLLM 0.32's offline `beam_search` applies that penalised score every step instead, which can
-drop a beam HF keeps.
+The ranking is Hugging Face's `generate(num_beams=k)`: the top 2k of the flattened (beams × vocab) scores, so up to
+k may end in EOS and k live ones remain; an EOS candidate among the first k is set aside as finished; a prompt's
+search ends once `beam_width` beams have finished (`early_stopping=True`) or after `max_tokens`. Only then is
+vLLM's length penalty applied, `cum_logprob / len ** length_penalty` (len counts the prompt, not a final EOS).
+vLLM 0.32's offline `beam_search` applies it every step instead, which can drop a beam HF keeps.
 
 Where this lives in vLLM: `vllm/beam_search.py` (`BeamSearchSequence`, `BeamSearchOutput`,
 `get_beam_search_score`), `vllm/sampling_params.py` (`BeamSearchParams`) and `LLM.beam_search` in
@@ -186,16 +182,12 @@ def run_beam_search(
 ) -> list[list[BeamSearchSequence]]:
     """Beam search for every prompt at once, one forward pass per step for all live beams of all prompts.
 
-    Drives `manager` and `model_runner` directly, as its own small scheduler: each step allocates slots for
-    every live beam (its prompt at the first step, with prefix hits; then its newest token), gathers the
-    copy-on-write copies, advances the beams' computed tokens as the scheduler does, and runs one forward pass.
-    `on_step(manager, beams)` is called after each step's allocation (for memory measurements). Returns, per
-    prompt, its beams best first (text not filled in). Raises ValueError if the KV cache cannot hold the beams.
-
-    With a swap pool (`manager.swap_pool`, chapter 11's `preemption_mode="swap"`), the beams of one prompt are a
-    sequence group: when the step's beams would not fit, the last prompts' groups are swapped out whole (shared
-    blocks once) and wait there, each swapped back in once the device has room for it; only beams on the device
-    step. Without one, or if a single prompt's beams do not fit alone, the cache must hold them: ValueError.
+    Drives `manager` and `model_runner` directly, as its own small scheduler: each step allocates slots for every
+    live beam (its prompt with prefix hits at the first step, then its newest token), gathers the copy-on-write
+    copies, advances the computed tokens as the scheduler does, and runs one forward pass. `on_step(manager, beams)`
+    is called after each step's allocation (for memory measurements). Returns, per prompt, its beams best first (text
+    not filled in). With a swap pool (chapter 11), a prompt's beams are a sequence group, swapped out whole when the
+    step's beams would not fit (`_swap_beam_groups`); without one, or if one prompt's beams cannot fit: ValueError.
     """
     seq_ids = itertools.count() if seq_ids is None else seq_ids
     eos = None if params.ignore_eos else eos_token_id

@@ -1,10 +1,9 @@
 """The engine's configuration: one object, built once by `EngineArgs.create_engine_config()`, handed to every layer.
 
-Every option has been checked and resolved by the time a `VllmConfig` exists (the device and dtype, the context
-limit, the KV cache's size in blocks, the per-step prefill cap), so no layer below re-reads a keyword or repeats
-a check. A part whose values need nothing resolved checks them itself, when it is made (`__post_init__`: a
-ParameterError naming the field): `ParallelConfig`, `SpeculativeConfig`; `EngineArgs` makes them when it is made.
-The parts follow vLLM's split, so each layer takes the parts it needs:
+Every option has been checked and resolved by the time a `VllmConfig` exists (device, dtype, context limit, KV
+cache size in blocks, prefill cap), so no layer below re-reads a keyword or repeats a check; a part whose values
+need nothing resolved checks them itself in `__post_init__` (`ParallelConfig`, `SpeculativeConfig`). The parts
+follow vLLM's split, so each layer takes the parts it needs:
 
     model_config      which checkpoint, its architecture (`hf_config`), dtype, context limit, seed, who attends
     cache_config      the KV cache: block size, how many blocks, prefix caching, which KV cache manager
@@ -13,8 +12,7 @@ The parts follow vLLM's split, so each layer takes the parts it needs:
     device_config     where the weights, the cache and the activations live
     speculative_config  speculative decoding: how drafts are proposed, how many per step (None: off)
 
-The config is plain data and pickles, so the engine core's process and tensor-parallel workers build themselves
-from the same object.
+The config is plain data and pickles, so the engine core's process and the workers build themselves from it.
 
 Where this lives in vLLM: `vllm/config/` (`VllmConfig`, `ModelConfig`, `CacheConfig`, `SchedulerConfig`,
 `ParallelConfig`, `DeviceConfig`, `SpeculativeConfig` in `vllm/config/speculative.py`).
@@ -139,16 +137,13 @@ class DeviceConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding: each step, every decoding sequence proposes up to `num_speculative_tokens` draft
-    tokens, and the target model verifies them in its next forward pass. `method` "ngram" (prompt lookup) copies
-    the tokens that followed the longest earlier occurrence of the context's last n tokens, n in
-    [`prompt_lookup_min`, `prompt_lookup_max`]; "draft_model" drafts greedily with the target's own first
-    `num_draft_layers` layers, its final norm and LM head (self-speculation; `num_draft_layers` is ours, vLLM's
-    draft model is a separate checkpoint). Each method's own fields (`METHOD_FIELDS`) are None under the other.
-
-    Built from the engine's `speculative_config` option (`from_options`), so a bad value is a ParameterError about
-    that option, naming the key: `speculative_config['num_speculative_tokens'] must be an int >= 1, got 0`. The
-    proposers take its values as they are."""
+    """Speculative decoding: each step, every decoding sequence proposes up to `num_speculative_tokens` draft tokens,
+    which the target model verifies in its next forward pass. `method` "ngram" (prompt lookup) copies what followed
+    the longest earlier occurrence of the context's last n tokens, n in [`prompt_lookup_min`, `prompt_lookup_max`];
+    "draft_model" drafts with the target's own first `num_draft_layers` layers (ours; vLLM's draft model is a separate
+    checkpoint). Each method's own fields (`METHOD_FIELDS`) are None under the other. Built from the engine's
+    `speculative_config` option (`from_options`), so a bad value is a ParameterError naming the key:
+    `speculative_config['num_speculative_tokens'] must be an int >= 1, got 0`."""
 
     method: str
     num_speculative_tokens: int

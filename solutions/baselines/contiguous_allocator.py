@@ -1,21 +1,18 @@
 """The baseline paged attention replaces: one contiguous slab of KV slots per request, reserved up front.
 
-Before vLLM, serving systems such as Orca stored each request's keys and values in one contiguous range of
-token slots, reserved when the request was admitted, because attention kernels wanted a dense `(seq, ...)`
-tensor. The final length of a request is unknown at admission, so the system must guess:
+Before vLLM, systems such as Orca stored each request's keys and values in one contiguous range of slots reserved
+at admission, because attention kernels wanted a dense `(seq, ...)` tensor. The final length is unknown then, so
+the system must guess:
 
     MAX_MODEL_LEN  Orca (Max): reserve `max_model_len` slots for every request.
-    POW2           Orca (Pow2): reserve the prompt plus the output length rounded up to a power of two, i.e.
-                   at most 2× the true output (the paper's example: 25 output tokens → 32 slots).
-    ORACLE         Orca (Oracle): reserve exactly prompt + output; needs the future, so no real system can.
+    POW2           Orca (Pow2): the prompt plus the output length rounded up to a power of two (25 → 32 slots).
+    ORACLE         Orca (Oracle): exactly prompt + output; needs the future, so no real system can.
 
-POW2 and ORACLE both read the true output length: like the vLLM paper (§6.1), we use them as bounds on what a
-better guess could achieve, not as implementable policies.
-
-Three kinds of waste follow (vLLM paper, Fig. 2): *reservation* (slots held now for tokens generated later),
-*internal fragmentation* (slots reserved beyond the final length) and *external fragmentation* (free slots cut
-into holes too small for the next request). `ContiguousAllocator` is a first-fit allocator over one pool of
-slots that makes the last kind visible: `segments()` draws the "Swiss cheese".
+POW2 and ORACLE read the true output length: as in the vLLM paper (§6.1), they are bounds, not policies. Three
+kinds of waste follow (Fig. 2): *reservation* (slots held for tokens generated later), *internal fragmentation*
+(slots beyond the final length) and *external fragmentation* (free slots cut into holes too small for the next
+request). `ContiguousAllocator` is a first-fit allocator that makes the last visible: `segments()` draws the
+"Swiss cheese".
 """
 
 import bisect

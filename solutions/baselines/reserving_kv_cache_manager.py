@@ -1,30 +1,21 @@
 """Orca inside our own engine: admit a request only with its whole reserved KV space, taken at admission.
 
-The vLLM paper (§6.1) measures vLLM against Orca, whose KV cache is one contiguous slab per request, reserved
-when the request is admitted (`contiguous_allocator.py`: Orca Max, Pow2, Oracle). To compare the two ideas
-rather than two code bases, this manager gives the paged engine Orca's memory behaviour and changes nothing
-else — the same scheduler, model runner, kernels and sampler run both sides:
+The vLLM paper (§6.1) measures vLLM against Orca, whose KV cache is one contiguous slab per request reserved at
+admission (`contiguous_allocator.py`). To compare the two ideas rather than two code bases, this manager gives the
+paged engine Orca's memory behaviour and changes nothing else:
 
     first allocate_slots of a sequence   take cdiv(reserved_length, block_size) blocks at once, or return None
                                          (nothing changed: the request waits at the head of the queue)
     every later allocate_slots           already covered: no new block, so no preemption, ever
 
-`reserved_length` is the policy's guess of the final length: `max_model_len` (Max), the prompt plus the output
-length rounded up to a power of two (Pow2), or the prompt plus the output length (Oracle). Pow2 and Oracle
-read the request's `max_tokens` as its true output length — the benchmark sends `ignore_eos` with `max_tokens`
-equal to the length it wants, which is exactly what the paper's oracle is told (a request that stops early, at
-EOS or a stop string, holds its whole reservation to the end, as it would in Orca).
+`reserved_length` is `max_model_len` (Max), the prompt plus the output length rounded up to a power of two (Pow2),
+or the prompt plus the output length (Oracle); the output length is the request's `max_tokens` (the benchmark
+sends `ignore_eos`, as the paper's oracle is told the length). A request that stops early keeps its reservation.
 
-What it reproduces: reservation and internal fragmentation — slots held from admission for tokens generated
-later or never — which is the memory that limits Orca's batch size. What it does not: external fragmentation.
-The reserved blocks need not be adjacent, so a request is admitted whenever enough blocks are free in total,
-where a contiguous allocator would also need one hole that large. The comparison therefore favours Orca
-slightly: a real contiguous allocator admits at most as many requests as this one.
-
-A forked sample (`n > 1`, beam search) would share its parent's reserved blocks past the prompt and write into
-them; Orca reserves per sequence, so n > 1 is refused (ValueError at `add_request`, by the processor), and a
-sequence that never got a reservation (beam search's) stops at its first allocation with a RuntimeError.
-vLLM has no such mode; its paper's Orca numbers come from a separate implementation (§6.1).
+It reproduces reservation and internal fragmentation, the memory that limits Orca's batch size, but not external
+fragmentation: the reserved blocks need not be adjacent, so the comparison favours Orca slightly. Orca reserves
+per sequence, so n > 1 is refused (by the processor), and a sequence without a reservation (beam search's) stops
+at its first allocation with a RuntimeError. vLLM has no such mode; its paper's Orca is a separate implementation.
 """
 
 from solutions.baselines.contiguous_allocator import ReservationPolicy, reserved_length

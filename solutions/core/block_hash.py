@@ -1,18 +1,15 @@
 """Chained block hashes: the key under which prefix caching finds a block that already holds a prefix.
 
-A *full* block of a sequence is identified by everything that determines its keys and values: its own token
-ids and every token before it. Hashing all of that for every block would cost O(n²); chaining costs O(n):
+A *full* block's K/V are determined by its token ids and every token before it. Hashing all of that per block
+would cost O(n²); chaining costs O(n):
 
     hash(block i) = H(hash(block i - 1) ‖ token ids of block i),      hash(block -1) = NONE_HASH
 
-so two blocks with equal hashes hold equal token ids at equal positions after equal prefixes — the same K/V.
-Only full blocks are hashed: a partial block is still being written.
+so equal hashes mean equal tokens at equal positions after equal prefixes. Only full blocks are hashed.
 
-Why a cryptographic hash (SHA-256) and not Python's `hash`: a collision would silently hand one request the
-keys and values of *another* prompt — wrong outputs, and in a shared server, one user's prompt leaking into
-another's answer. Python's `hash` of a tuple is 64 bits, salted per process, and not designed to resist
-collisions (they can be constructed); SHA-256's 256 bits make an accidental or crafted collision practically
-impossible, for a cost (about a microsecond per block) that is noise beside a forward pass. vLLM's default is
+Why SHA-256 and not Python's `hash`: a collision would silently hand one request another prompt's K/V — wrong
+outputs, or one user's prompt leaking into another's answer. Python's tuple hash is 64 bits and collisions can
+be constructed; SHA-256 makes them practically impossible for about a microsecond per block. vLLM's default is
 SHA-256 too (`--prefix-caching-hash-algo`).
 
 Where this lives in vLLM: `vllm/v1/core/kv_cache_utils.py` (`hash_block_tokens`, `NONE_HASH`).

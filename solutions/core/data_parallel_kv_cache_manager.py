@@ -1,20 +1,14 @@
 """Data parallelism: one KV cache manager over N block pools, one pool per model replica.
 
-Replica r's KV cache lives in its own process, so its blocks are its own: a block id means (replica, id), and each
-pool has its own free queue, prefix-cache hash map and reference counts (`replicas[r]`, a `KVCacheManager` with
-its own `BlockPool`). A sequence holds blocks of one pool only, `seq.replica`'s, for its whole life: preemption,
-swapping and the samples an `n > 1` request forks all stay there. "Free" is therefore per pool: a free block on
-replica 0 is no use to a sequence on replica 1, which is why the scheduler preempts within a replica and why
-placement (`solutions/core/sched/placement.py`) asks how much of a prompt each pool holds (`num_cached_blocks`).
+A block id means (replica, id): each pool (`replicas[r]`, a `KVCacheManager`) has its own free queue, prefix-cache
+hash map and reference counts. A sequence holds blocks of `seq.replica`'s pool only, for life (preemption,
+swapping and forks stay there), so "free" is per pool: that is why the scheduler preempts within a replica and
+placement asks how much of a prompt each pool holds (`num_cached_blocks`). A dead replica's pool (`mark_gone`)
+counts in no total, and nothing is placed there again.
 
-A replica whose process died is gone (`mark_gone`): its pool is kept for the record but counts in no total, and
-nothing is placed there again.
-
-Where this lives in vLLM: nowhere as one object — each of vLLM's data-parallel ranks is a whole engine core with its
-own scheduler and `KVCacheManager` (`vllm/v1/core/kv_cache_manager.py`), and the front end balances requests over
-them without seeing their caches. The cache-aware policy of SGLang's router (`sgl-model-gateway`, `sgl-router`
-before PR #14312; `src/policies/cache_aware.rs`, read 2026-12-03 at b93974f) sees no cache either, only the text
-it routed.
+Where this lives in vLLM: nowhere as one object — each data-parallel rank is a whole engine core with its own
+`KVCacheManager`, balanced by a front end that sees no cache; SGLang's router (`sgl-model-gateway`,
+`src/policies/cache_aware.rs`, read 2026-12-03 at b93974f) sees only the text it routed.
 """
 
 from solutions.core.block_hash import extend_block_hashes

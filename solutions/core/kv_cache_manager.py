@@ -3,20 +3,17 @@
 Chapter 3's `BlockManager` gave every sequence blocks of its own. Here several block tables may point at the
 same physical block, and the block's `ref_cnt` counts them:
 
-- fork: a child sequence (another sample of the same prompt, a beam) starts with its parent's block table,
-  every block's `ref_cnt` + 1 — the prompt's keys and values are stored once, however many samples read them;
-- copy-on-write (the paper's §4.4): a sequence about to write into a block that another sequence also holds
-  first gets a block of its own, and the step records a copy (source → destination) that the model runner
-  applies to every layer before the forward pass. Only a *partial* last block is ever written again, so only
-  it is ever copied: full blocks stay shared forever;
-- prefix caching: every full block is registered under its chained hash (`block_hash.py`); a new prompt whose
-  leading blocks hash the same reuses them (`get_computed_blocks`) and computes only the rest. Freed blocks
-  keep their hash until they are handed out again, so the cache costs no memory: it lives in free blocks.
+- fork: a child sequence (another sample, a beam) starts with its parent's block table, every block's `ref_cnt`
+  + 1, so the prompt's keys and values are stored once;
+- copy-on-write (the paper's §4.4): a sequence about to write into a block another sequence holds first gets its
+  own, and the step records a copy (source → destination) that the runner makes before the forward pass. Only a
+  *partial* last block is ever written again, so full blocks stay shared forever;
+- prefix caching: every full block is registered under its chained hash (`block_hash.py`); a prompt whose leading
+  blocks hash the same reuses them (`get_computed_blocks`). Freed blocks keep their hash until handed out again,
+  so the cache costs no memory.
 
-Invariants (checked by property tests over long random runs):
-- every block's `ref_cnt` equals the number of block tables holding it; ref_cnt 0 ⇔ in the free queue;
-- a cached block's contents are exactly the tokens its hash covers (a hit never returns different tokens);
-- once every sequence is freed, every block is free (nothing leaks).
+Invariants (property-tested): a block's `ref_cnt` is the number of tables holding it, 0 ⇔ in the free queue; a
+cached block holds exactly the tokens its hash covers; once every sequence is freed, every block is free.
 
 Where this lives in vLLM: `vllm/v1/core/kv_cache_manager.py` (`KVCacheManager.get_computed_blocks`,
 `allocate_slots`, `free`), `vllm/v1/core/block_pool.py`; copy-on-write and fork are vLLM v0's

@@ -1,23 +1,19 @@
 """Which rank holds which heads and hidden units, and the layers that join the slices.
 
-Megatron-LM's split of a transformer layer, as vLLM does it. Within a layer, two matmuls follow each other
-with only per-unit work between them, so the first is split by its outputs (*column parallel*: each rank
-computes some heads, or some hidden units) and the second by its inputs (*row parallel*: each rank multiplies
-its own slice and gets a partial sum of the full output). One all-reduce per pair makes the partial sums whole:
+Megatron-LM's split of a transformer layer, as vLLM does it: of two matmuls with only per-unit work between them,
+the first is split by its outputs (*column parallel*: each rank computes some heads or hidden units) and the
+second by its inputs (*row parallel*: each rank gets a partial sum of the full output); one all-reduce per pair
+makes the sums whole:
     attention   q/k/v_proj column parallel (each rank: its heads)  →  attention on its heads  →  o_proj row parallel
     MLP         gate/up_proj column parallel (its hidden units)    →  SwiGLU                   →  down_proj row parallel
-Attention needs nothing from other ranks in between because heads are independent, and the K/V a rank's query
-heads read are the K/V heads it computes itself — so each rank's KV cache holds only its own heads, in the same
-blocks (one block table serves every rank).
+Heads are independent, and a rank's query heads read the K/V heads it computes itself, so each rank's KV cache
+holds only its own heads, in the same blocks (one block table serves every rank).
 
-Heads are dealt by K/V groups, so a query head always sits with its K/V head. With more K/V heads than ranks,
-each rank gets a run of whole groups, as evenly as they divide (SmolLM2's 3 K/V heads over 2 ranks: 1 group
-and 2, that is 3 query heads and 6); vLLM requires an even split and refuses such a model instead (first in
-`ModelConfig.verify_with_parallel_config`). With fewer K/V heads than ranks, each K/V head is replicated on
-`tp_size / num_kv_heads` ranks and its query heads are split among them, as vLLM does; a rank count for which
-neither works is refused, naming `tensor_parallel_size` and the values that work. The vocabulary is split into
-contiguous ranges: the embedding sums its ranks' rows (each rank contributes the tokens in its range, zeros for the
-rest), the LM head gathers its ranks' logits.
+Heads are dealt by K/V groups, so a query head sits with its K/V head. With more K/V heads than ranks each rank gets
+a run of whole groups, as evenly as they divide (SmolLM2's 3 over 2 ranks: 1 and 2; vLLM requires an even split
+and refuses such a model); with fewer, each K/V head is replicated on `tp_size / num_kv_heads` ranks that split its
+query heads, as vLLM does; otherwise `tensor_parallel_size` is refused, naming the values that work. The vocabulary
+is split into ranges: the embedding sums its ranks' rows, the LM head gathers its ranks' logits.
 
 Where this lives in vLLM: `vllm/model_executor/layers/linear.py` (`ColumnParallelLinear`, `QKVParallelLinear`,
 `RowParallelLinear`) and `vllm/model_executor/layers/vocab_parallel_embedding.py`.
@@ -131,15 +127,10 @@ def local_config(config: ModelConfig, part: Partition) -> ModelConfig:
 
 def shard_weight(name: str, tensor: torch.Tensor, part: Partition, head_dim: int) -> torch.Tensor:
     """The part of the full model's parameter `name` (e.g. "model.layers.0.self_attn.q_proj.weight") that the rank
-    holding `part` keeps.
-
-    A linear layer's weight is (out_features, in_features). Column-parallel layers keep output rows: q_proj the
-    rows of its query heads, k_proj and v_proj those of its K/V heads (`head_dim` rows per head), gate_proj and
-    up_proj those of its hidden units, and their biases the same entries. Row-parallel layers keep input
-    columns: o_proj the columns of its query heads, down_proj those of its hidden units; their bias stays whole
-    (it is added once, after the all-reduce). The embedding and the LM head keep the rows of its vocabulary
-    range. Everything else (the norms) is replicated: every rank keeps it whole.
-    """
+    holding `part` keeps: column-parallel layers (q/k/v_proj by heads, gate/up_proj by hidden units) keep output rows
+    of the (out_features, in_features) weight and those bias entries; row-parallel layers (o_proj, down_proj) keep
+    input columns and a whole bias (added once, after the all-reduce); the embedding and LM head keep their vocabulary
+    range's rows; the norms stay whole."""
     q = (part.q_heads[0] * head_dim, part.q_heads[1] * head_dim)
     kv = (part.kv_heads[0] * head_dim, part.kv_heads[1] * head_dim)
     keep = {  # (module, parameter) -> (dimension, [start, end))

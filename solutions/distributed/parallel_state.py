@@ -1,14 +1,11 @@
 """The tensor-parallel group of this process, and the two collectives the model uses.
 
-Every rank (one process each) runs the same forward pass on its slice of the weights. Two collectives join the
-slices: an all-reduce sums the partial outputs of a row-parallel layer, and an all-gather joins the logits of
-the vocabulary's slices. (Each step itself reaches the other ranks through their worker pipes,
-`solutions/executor/worker_proc.py`.) gloo runs them on the CPU, NCCL on GPUs (one GPU per rank).
-
-A gloo collective returns once every rank has called it. (An NCCL call on GPUs returns once the operation is
-queued on the device; the wait happens there, and shows when the result is used.) So a rank that dies would leave
-the others waiting forever: the group is made with a timeout (`COLLECTIVE_TIMEOUT_SECONDS`, read when the group is
-made, so a test may shorten it), and a collective that does not complete within it raises instead of hanging.
+Every rank runs the same forward pass on its slice of the weights; an all-reduce sums a row-parallel layer's
+partial outputs, and an all-gather joins the vocabulary slices' logits (the step itself reaches the ranks through
+their pipes, `solutions/executor/worker_proc.py`). gloo runs them on the CPU, NCCL on GPUs. A gloo collective
+returns once every rank has called it, so a dead rank would leave the others waiting forever: the group is made
+with a timeout (`COLLECTIVE_TIMEOUT_SECONDS`, read then, so a test may shorten it) and a collective that does not
+complete within it raises.
 
 Where this lives in vLLM: `vllm/distributed/parallel_state.py` (`init_distributed_environment`,
 `GroupCoordinator`) and `vllm/distributed/communication_op.py` (`tensor_model_parallel_all_reduce`, ...).

@@ -62,21 +62,17 @@ def _help(text: str) -> dict[str, str]:
 
 @dataclass
 class EngineArgs:
-    """The engine's options. `num_kv_blocks=None` sizes the paged KV cache so that `max_num_seqs` sequences of
-    `max_model_len` tokens all fit, within `kv_cache_memory_bytes` (vLLM's option of that name; its default takes
-    a fraction of the GPU's free memory instead). `long_prefill_token_threshold=None` lets one prompt take a step's
-    whole token budget. `attention_backend`: "torch" (chapters 3 and 5, eager PyTorch), "inductor" (the CPU's fast
-    path: decode attention reading the paged cache in place, the forward pass compiled at start-up) or "triton"
-    (chapter 6's kernels; on a GPU, pure-decode steps replay CUDA graphs). `kv_reservation` turns the engine into
-    chapter 2's Orca baselines (each request admitted with blocks for its whole reserved length).
-    `tensor_parallel_size=N` splits the model over N processes (chapter 9), started by this one or by torchrun.
-    `data_parallel_size=N` runs N whole replicas in worker processes, each with the cache and step limits above,
-    one scheduler placing each sequence on one of them (`data_parallel_placement`, chapter 12).
-    `speculative_config` turns on speculative decoding, as vLLM's keyword: `{"method": "ngram",
-    "num_speculative_tokens": 4, "prompt_lookup_max": 4}`, or `{"method": "draft_model",
-    "num_speculative_tokens": 4, "num_draft_layers": 8}` (`SpeculativeConfig`). Chapter 11: `preemption_mode="swap"`
-    swaps preempted sequence groups to a host pool of `swap_space` GiB (vLLM v0's names), falling back to recompute
-    when it is full; `kv_offloading_size` GiB of host memory keep the blocks the prefix cache evicts (vLLM v1's)."""
+    """The engine's options (each field's help says what it does). `num_kv_blocks=None` sizes the paged KV cache so
+    that `max_num_seqs` sequences of `max_model_len` tokens fit within `kv_cache_memory_bytes` (vLLM's default takes a
+    fraction of the GPU's free memory instead). `attention_backend`: "torch" (eager PyTorch), "inductor" (the CPU's
+    fast path: paged decode attention in place, the forward pass compiled at start-up) or "triton" (chapter 6's
+    kernels; CUDA graphs for pure-decode steps on a GPU). `kv_reservation` turns the engine into chapter 2's Orca
+    baselines. `tensor_parallel_size=N` splits the model over N processes (chapter 9); `data_parallel_size=N` runs N
+    whole replicas, one scheduler placing each sequence (`data_parallel_placement`, chapter 12).
+    `speculative_config`, as vLLM's keyword: `{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max":
+    4}` or `{"method": "draft_model", "num_speculative_tokens": 4, "num_draft_layers": 8}`. Chapter 11:
+    `preemption_mode="swap"` swaps preempted groups to a host pool of `swap_space` GiB (vLLM v0's names);
+    `kv_offloading_size` GiB of host memory keep the blocks the prefix cache evicts (vLLM v1's)."""
 
     model: str = field(default=DEFAULT_MODEL, metadata=_help(f"{DEFAULT_MODEL} or a local Hugging Face folder"))
     block_size: int = field(default=16, metadata=_help("tokens per KV block"))
@@ -277,24 +273,17 @@ class EngineArgs:
         from solutions.attention.paged import KVCache
 
         bytes_per_block = KVCache.bytes_per_block(hf_config, self.block_size, dtype)
-        num_swap_blocks = 0
-        if self.preemption_mode == "swap":
-            num_swap_blocks = int(self.swap_space * 2**30) // bytes_per_block
-            if num_swap_blocks == 0:
-                raise ParameterError(
-                    f"swap_space={self.swap_space} GiB holds no KV block of {bytes_per_block} bytes: with "
-                    "preemption_mode='swap' it must hold at least one (or use preemption_mode='recompute')",
-                    "swap_space",
-                )
-        num_offload_blocks = 0
-        if self.kv_offloading_size:
-            num_offload_blocks = int(self.kv_offloading_size * 2**30) // bytes_per_block
-            if num_offload_blocks == 0:
-                raise ParameterError(
-                    f"kv_offloading_size={self.kv_offloading_size} GiB holds no KV block of {bytes_per_block} bytes: "
-                    "it must hold at least one (or None: off)", "kv_offloading_size",
-                )
-        return num_swap_blocks, num_offload_blocks
+        counts = []
+        for name, wanted, needs in (
+            ("swap_space", self.preemption_mode == "swap",
+             "with preemption_mode='swap' it must hold at least one (or use preemption_mode='recompute')"),
+            ("kv_offloading_size", bool(self.kv_offloading_size), "it must hold at least one (or None: off)"),
+        ):
+            gib = getattr(self, name)
+            counts.append(int(gib * 2**30) // bytes_per_block if wanted else 0)
+            if wanted and counts[-1] == 0:
+                raise ParameterError(f"{name}={gib} GiB holds no KV block of {bytes_per_block} bytes: {needs}", name)
+        return counts[0], counts[1]
 
     def _resolve_device(self) -> torch.device:
         tp = self.tensor_parallel_size

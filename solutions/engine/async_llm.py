@@ -5,28 +5,20 @@
         print(output.outputs[0].text, end="")          # DELTA: only what is new since the last output
     llm.shutdown()
 
-The pieces, and the path of one request:
-1. `generate` (this module's function, which `AsyncLLM.generate` calls) asks `add_request` to validate and
-   tokenise in this process with a `Processor` (the one place a request is checked), so a bad request raises
-   ValueError at the generator's first `__anext__` and never reaches the core;
-2. `add_request` registers the request with the `OutputProcessor` and a `RequestOutputCollector` and sends it to
-   the core (`EngineCoreClient`: a process or a thread); `generate` waits on the collector;
-3. one output thread reads the core's messages, one per step (token ids only), turns them into `RequestOutput`s
-   with the output processor (detokenising, stop strings: a request a stop string ends is aborted in the core),
-   feeds the stat loggers, and hands each output to its request's collector on that request's event loop
-   (`loop.call_soon_threadsafe`): the thread never touches an event loop's objects directly, and no event loop
-   ever waits on the core. (vLLM reads the core's messages in an asyncio task on the server's event loop,
-   `output_handler`, its sockets being asyncio-aware; our `multiprocessing` queues block, hence a thread.)
-4. the caller's `async for` wakes, gets the output, and ends after the one with `finished=True`; the output
-   thread has already dropped a finished request, so its id is free again.
+The path of one request:
+1. `generate` asks `add_request` to validate and tokenise it here (`Processor`), so a bad request raises ValueError
+   at the first `__anext__` and never reaches the core;
+2. `add_request` registers it with the `OutputProcessor` and a `RequestOutputCollector` and sends it to the core
+   (`EngineCoreClient`: a process or a thread);
+3. one output thread reads the core's messages (one per step, token ids only), turns them into `RequestOutput`s
+   (detokenising, stop strings), feeds the stat loggers, and hands each output to its collector on the caller's
+   event loop (`loop.call_soon_threadsafe`). (vLLM reads them in an asyncio task, `output_handler`, its sockets
+   being asyncio-aware; our `multiprocessing` queues block, hence a thread.)
+4. the caller's `async for` ends after the output with `finished=True`, whose id is free again.
 
-Backpressure: a collector holds one pending output. If the engine steps faster than a caller reads, the new
-DELTA output is merged into the pending one (texts and tokens concatenated), so a slow reader gets fewer, larger
-outputs and memory stays bounded per request, while the engine never waits for anybody.
-
-Cancellation: if the caller stops early — closes the generator, or its task is cancelled because a client
-disconnected — the generator's `finally` aborts the request in the core, which frees its blocks before its next
-step. If the core dies, every waiting caller gets `EngineDeadError`, and so does every later call.
+A collector holds one pending output: later DELTA outputs are merged into it, so a slow reader gets fewer, larger
+outputs and the engine never waits. A caller that stops early (closes the generator, or is cancelled) aborts the
+request in the generator's `finally`; if the core dies, every caller gets `EngineDeadError`.
 
 Where this lives in vLLM: `vllm/v1/engine/async_llm.py` (`AsyncLLM.generate`, `output_handler`, `abort`) and
 `vllm/v1/engine/output_processor.py` (`RequestOutputCollector`).

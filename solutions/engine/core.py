@@ -15,24 +15,14 @@ A step (`engine_step`, below) is schedule → execute → sample → update, eac
     (post_step)  Scheduler.update_draft_token_ids()  speculative decoding: the drafts proposed after sampling
 
 The core speaks token ids only: the front end (`LLMEngine`, `AsyncLLM`) tokenises before and detokenises after.
+A server's core runs its own loop (`EngineCoreProc.run_busy_loop`, in a process or a thread), so the event loop
+never waits for a forward pass. Each iteration: if idle, publish changed stats and block on the input queue; take
+every message already waiting (new requests join the very next step, aborts free their blocks before it); run one
+`step()` and put ONE message with its outputs and `SchedulerStats`.
 
-A server's core runs in a loop of its own (`EngineCoreProc`, in its own process or a thread), so that the event
-loop that accepts connections and streams tokens never waits for a forward pass; the two sides only exchange
-messages:
-
-    front end (AsyncLLM)  --ADD / ABORT / SHUTDOWN-->  input queue   -->  EngineCoreProc.run_busy_loop
-    front end (AsyncLLM)  <--one message per step---   output queue  <--  (EngineCoreOutputs + SchedulerStats)
-
-The loop (`run_busy_loop`, a function of this module that `EngineCoreProc.run_busy_loop` guards), each iteration:
-1. idle (no unfinished request): publish the stats if they changed, then block on the input queue;
-2. take every message already waiting, without blocking: requests join the very next step (continuous batching
-   across the process boundary), aborts free their blocks before it;
-3. run one `step()` and put ONE message with that step's outputs and its `SchedulerStats`.
-
-Failures, in two tiers: a request the core refuses (`add_request` raising ValueError — the front end validates
-first, so this is a safety net) is answered with an error for that request id alone; any other exception — in
-`step()` above all — leaves the engine in an unknown state, so it is fatal: the core sends `EngineDead` with the
-traceback and stops.
+A request the core refuses (`add_request` raising ValueError; the front end validates first) is answered with an
+error for that id alone; any other exception, in `step()` above all, is fatal: the core sends `EngineDead` with
+the traceback and stops.
 
 Where this lives in vLLM: `vllm/v1/engine/core.py` (`EngineCore.step`, `EngineCoreProc.run_busy_loop`).
 """

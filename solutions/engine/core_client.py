@@ -2,36 +2,22 @@
 `LLMEngine` offline does), `MPClient` (its own process) or `ThreadClient` (a thread of this process). They answer
 the same verbs, so a front end never knows which it has.
 
-Why a process by default. A Python thread shares the interpreter lock with the server's event loop: while the
-core's thread runs the Python parts of a step (scheduling, building the batch's metadata, sampling, stop checks,
-detokenising), the event loop cannot run, and while the event loop parses JSON and writes SSE chunks, the step
-waits. The matrix multiplications release the lock, so the overlap is real but partial. A process has its own
-interpreter: nothing is shared but the two queues, at the cost of pickling every message across a pipe.
-With SmolLM2 (fp32, 32 streaming callers, prompts of ~64 tokens and 64 output tokens each; `python -m
-benchmarks.engine_core` on a 2-core AMD EPYC with AVX-512, 2026-11-23, run alone): a step took 181 ms (median) with
-the core in a process, 242 ms in a thread and 225 ms in the offline loop with no front end at all; output tokens/s
-were 1.10× the offline loop's in a process and 0.92× in a thread — the process serves 1.19× the thread's tokens/s.
-(That the process beats the offline loop by 10% we do not fully explain; it held with one torch thread too, 1.06×.)
+Why a process by default: a thread shares the interpreter lock with the server's event loop, so the core's Python
+work (scheduling, batch metadata, sampling, stop checks) and the loop's (JSON, SSE chunks) take turns; only the
+matmuls release the lock. A process shares nothing but two queues, at the cost of pickling every message. With
+SmolLM2 (fp32, 32 streaming callers, ~64 prompt and 64 output tokens each; `python -m benchmarks.engine_core` on a
+2-core AMD EPYC, 2026-11-23) the process served 1.19× the thread's tokens/s (a step: 181 ms against 242 ms).
 
-Threads inside the core: the forward pass is the work that needs the cores (the front end does no tensor work), so
-the core's executor gives it one intra-op thread per core this process can get (measured as above: with one torch
-thread instead of two, every path lost 15–25% of its tokens/s). On a machine shared with other work, a thread
-whose core is busy holds every other thread at each parallel region's barrier, and a step can take many times
-longer: the executor's `CpuThreadPolicy` (`solutions/worker/cpu_threads.py`) re-reads every second how much of
-each core other processes use and drops the threads they would contend for; `--cpu-threads N` (or
-`OMP_NUM_THREADS`) fixes the count instead.
+The forward pass gets one intra-op thread per core this process can get; on a shared machine the executor's
+`CpuThreadPolicy` (`solutions/worker/cpu_threads.py`) drops the threads other processes would contend for, and
+`--cpu-threads N` (or `OMP_NUM_THREADS`) fixes the count.
 
-The child process is started with "spawn" (a fresh interpreter, not a fork of this one: forking a process that
-has started threads — tokenizers, OpenMP, the event loop — can deadlock the child). So the child imports
-everything again and builds its own `EngineCoreProc` from the same `VllmConfig`; its entry point must be a
-top-level function (`run_engine_core`). It ignores Ctrl-C, which the terminal sends to the whole process group:
-stopping the core is the front end's decision (`shutdown`), and an orphaned core notices its parent is gone and
-exits. vLLM differs here: its default start method is fork (`VLLM_WORKER_MULTIPROC_METHOD` in `vllm/envs.py`),
-switched to spawn when CUDA is already initialised; forking starts faster, spawning is safe whatever threads exist.
-
-A child can also die without a word (killed, out of memory, a segfault in a kernel). `MPClient.get_output`
-therefore waits in short slices and checks `process.is_alive()` between them, and reports a silent death as
-`EngineDead`, like a crash the core could still describe.
+The child is started with "spawn" (forking a process that has started threads can deadlock the child), so it
+builds its own `EngineCoreProc` from the same `VllmConfig` in a top-level function (`run_engine_core`). It ignores
+Ctrl-C: stopping the core is the front end's decision (`shutdown`), and an orphaned core exits. (vLLM forks by
+default, `VLLM_WORKER_MULTIPROC_METHOD`, and spawns once CUDA is initialised.) A child that dies without a word
+(killed, out of memory, a segfault) is noticed by `MPClient.get_output`, which waits in short slices, checks
+`process.is_alive()` between them and reports `EngineDead`.
 
 Where this lives in vLLM: `vllm/v1/engine/core_client.py` (`EngineCoreClient.make_client`, `MPClient`,
 `InprocClient`); vLLM's queues are ZeroMQ sockets with msgpack, ours `multiprocessing` queues with pickle.
@@ -67,13 +53,10 @@ SHUTDOWN_TIMEOUT_SECONDS = 10.0  # for the core to finish its current step and e
 
 
 class EngineCoreClient(ABC):
-    """Send requests to the engine core, read its messages back.
-
-    Where the core runs in this process (`InprocClient`, `ThreadClient`), the client also answers for its parts:
-    `scheduler`, `model_executor`, `structured_output_manager` and `has_unfinished_requests()`, read by the tests,
-    the grader, the benchmarks and `python -m solutions` (a front end uses none of them). They are the core's own
-    objects, not copies; under `ThreadClient` the core's thread changes them while you read. `MPClient`'s core is in
-    another process, so they raise there instead."""
+    """Send requests to the engine core, read its messages back. Where the core runs in this process (`InprocClient`,
+    `ThreadClient`), the client also lends its parts — `scheduler`, `model_executor`, `structured_output_manager`,
+    `has_unfinished_requests()` — to the tests, the grader, the benchmarks and `python -m solutions` (never to a front
+    end): the core's own objects, changed by its thread under `ThreadClient`; `MPClient` raises instead."""
 
     engine_core: EngineCore | None = None  # the core itself where it runs in this process; None in `MPClient`
 

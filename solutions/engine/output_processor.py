@@ -1,19 +1,15 @@
 """The output processor: engine tokens in, user output out — text, stop strings, finish reasons, deltas.
 
-Detokenisation is incremental. Decoding a whole completion again after every token costs O(n²); decoding only
-the new token is wrong, because a byte-level BPE token may hold part of a UTF-8 character (the text would show
-"\ufffd") and a tokenizer's spacing depends on the token before. So each completion keeps two offsets into its
-tokens: text is decoded from `prefix_offset` (a few tokens of context) both up to `read_offset` and to the end,
-and the difference is the new text — emitted only once it no longer ends in a partial character.
+Detokenisation is incremental. Decoding the whole completion after every token costs O(n²); decoding only the new
+token is wrong (a byte-level BPE token may hold part of a UTF-8 character, and spacing depends on the token
+before). So each completion keeps two offsets: text is decoded from `prefix_offset` (a few tokens of context) up to
+`read_offset` and to the end, and the difference is the new text, emitted once it no longer ends in a partial
+character. Prompt logprobs arrive a chunk per prefill step and are put together here (the first token's is None).
 
-Prompt logprobs arrive a chunk at a time (one per prefill step) and are put together here; each token's entry
-holds the top tokens and the actual prompt token, and the first prompt token's is None (nothing predicts it).
-
-Stop strings are searched in the new text only (plus the last `len(stop) - 1` characters before it, where a stop
-string may have started), and the text is cut where the stop string begins. The engine core never sees text, so a
-request that a stop string finishes is handed back to be aborted there (`reqs_to_abort`). vLLM gives each sample
-of an `n > 1` request a request id of its own in the core and can abort one; ours are one request there, aborted
-once every sample has finished (a sample a stop string ended may run on in the core until then, unreported).
+Stop strings are searched in the new text (plus the `len(stop) - 1` characters before it) and the text is cut
+where one begins. The core never sees text, so a request a stop string finishes is handed back to be aborted
+there (`reqs_to_abort`), once every sample of an `n > 1` request has finished (vLLM can abort one sample: each has
+its own request id in its core).
 
 Where this lives in vLLM: `vllm/v1/engine/output_processor.py` (`OutputProcessor`, `RequestState`) and
 `vllm/v1/engine/detokenizer.py` (`IncrementalDetokenizer`, `check_stop_strings`).

@@ -1,18 +1,14 @@
 """The processor: raw input in, a validated engine-core request out — or a ValueError and nothing changed.
 
-Everything a caller can get wrong is checked here, once, in the front end, before the request touches a queue:
-the request id, the prompt (a string is tokenised, unless it is too long to fit whatever its tokens; token ids
-must be in the vocabulary; not empty; shorter than `max_model_len`), the sampling parameters (their own
-`__post_init__` checked the values; here what depends on the engine, and a structured-output constraint is
-validated against the vocabulary), the priority. So a bad request raises `ParameterError` (a ValueError naming
-the field) and never disturbs the requests already in flight; the engine core trusts what it is sent.
+Everything a caller can get wrong is checked here, once, before the request touches a queue: the request id, the
+prompt (tokenised; token ids in the vocabulary; not empty; shorter than `max_model_len`), what of the sampling
+parameters depends on the engine (a structured-output constraint against the vocabulary), the priority. A bad
+request raises `ParameterError` naming the field and never disturbs the requests in flight.
 
-A string too long to fit is refused before it is tokenised: no token of the vocabulary spans more than
-`max_token_chars` characters of text (81 for SmolLM2: a newline and 80 spaces), so a text of C characters has at
-least ceil(C / max_token_chars) tokens. Tokenising costs about half a second per megabyte; without this bound a
-10 MB prompt would take seconds to be told it does not fit in a context of 512 tokens. (The bound assumes the
-tokenizer's normaliser does not shrink the text, true of byte-level BPE and SentencePiece; the exact count after
-tokenising is checked either way.)
+A string too long to fit is refused before it is tokenised (tokenising costs about half a second per megabyte):
+no token spans more than `max_token_chars` characters (81 for SmolLM2), so C characters are at least
+ceil(C / max_token_chars) tokens. (This assumes the normaliser does not shrink the text, true of byte-level BPE
+and SentencePiece; the exact count is checked after tokenising either way.)
 
 Where this lives in vLLM: `vllm/v1/engine/input_processor.py` (`InputProcessor.process_inputs`; vLLM renamed
 `Processor` and its `processor.py` to these names).

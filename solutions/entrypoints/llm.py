@@ -59,15 +59,10 @@ class LLM:
         else:
             params = list(sampling_params)
         priorities = [0] * len(prompts) if priority is None else list(priority)
-        if len(params) != len(prompts):
-            raise ParameterError(
-                f"sampling_params has {len(params)} entries for {len(prompts)} prompts; give one or one per prompt",
-                "sampling_params",
-            )
-        if len(priorities) != len(prompts):
-            raise ParameterError(
-                f"priority has {len(priorities)} entries for {len(prompts)} prompts; give one per prompt", "priority"
-            )
+        for name, given, wanted in (("sampling_params", params, "one or one per prompt"),
+                                    ("priority", priorities, "one per prompt")):
+            if len(given) != len(prompts):
+                raise ParameterError(f"{name} has {len(given)} entries for {len(prompts)} prompts; give {wanted}", name)
         engine = self.llm_engine
         final_only = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         first = self._request_counter

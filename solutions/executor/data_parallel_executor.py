@@ -2,29 +2,23 @@
 
     LLM("smollm2-135m", data_parallel_size=2)
 
-Each worker loads the whole model and owns its KV cache (the pool the scheduler's `DataParallelKVCacheManager`
-keeps the books of for it) and a runner that samples. The replicas do not wait for each other: each engine step
-`execute_model` sends every replica the scheduler has just given a step (`DataParallelSchedulerOutput`: only
-replicas whose previous step has come back are scheduled) its own part, as changes to the sequences it already
-holds (`WorkerProc.send_step`), and `sample_tokens` sends them their rows of the step's grammar masks, then waits
-for the first reply of any replica with a step in flight and returns every reply there by then
-(`DataParallelModelRunnerOutput`, replica by replica). So a replica that is given a long prefill holds up no other
-replica's decodes: their next steps are scheduled as soon as their tokens are back. Sampling stays reproducible
-wherever a sequence runs: a drawing sequence's generator state (5 KB) goes to its replica once, when the replica
-first holds it, and the replica keeps drawing from it (`cached_requests.py`); a greedy sequence's never travels.
+Each worker loads the whole model and owns its KV cache (whose books the scheduler's `DataParallelKVCacheManager`
+keeps) and a runner that samples. The replicas do not wait for each other: `execute_model` sends each replica the
+scheduler has given a step (only those whose previous step has come back) its part, as changes
+(`WorkerProc.send_step`); `sample_tokens` sends their rows of the grammar masks, waits for the first reply and
+returns every reply there by then (`DataParallelModelRunnerOutput`). So one replica's long prefill holds up no
+other's decodes. A drawing sequence's generator state goes to its replica once (`cached_requests.py`).
 
-A worker that dies (its pipe closes) or does not answer within `STEP_TIMEOUT_SECONDS` of being sent its step (it is
-then killed) is reported, not raised, and stalls nobody for longer than that bound: `take_dead_replicas` names it
-for the engine core, which drops it from the scheduler (its sequences requeued on the others). A worker whose step
-raises is a bug, not a fault: its traceback is raised here. Starting, pinning, sizing and stopping the workers is
+A worker that dies (its pipe closes) or does not answer within `STEP_TIMEOUT_SECONDS` (it is then killed) is
+reported, not raised: `take_dead_replicas` names it for the engine core, which requeues its sequences on the
+others. A worker whose step raises is a bug: its traceback is raised here. Starting and stopping workers is
 `worker_proc.py`'s, shared with tensor parallelism.
 
 Where this lives in vLLM (read 2026-12-03, stored copy at commit 00080ee): `vllm/v1/engine/core_client.py`
 (`DPLBAsyncMPClient`) and `vllm/v1/engine/core.py` (`DPEngineCoreProc`): each data-parallel rank is a whole engine
 core process with its own scheduler. Dense models' ranks run independently, as here; only MoE models' ranks step in
-lockstep (`DPEngineCoreProc` asserts `model_config.is_moe`, and its "wave" of dummy batches keeps their
-expert-parallel collectives aligned; `docs/serving/data_parallel_deployment.md` says the same). SGLang runs one
-server per replica behind its router.
+lockstep (their "wave" of dummy batches keeps expert-parallel collectives aligned). SGLang runs one server per
+replica behind its router.
 """
 
 import time

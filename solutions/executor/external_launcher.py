@@ -3,13 +3,11 @@
     torchrun --nproc-per-node 2 my_script.py      # my_script.py: LLM(..., tensor_parallel_size=2,
                                                   #                   distributed_executor_backend="external_launcher")
 
-`torchrun` starts the processes and tells each its place (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` in
-the environment); each builds the same `LLM` and gets the same requests. There is no broadcast: each rank's
-scheduler makes the same decisions from the same inputs, each rank's forward pass runs on its slice of the
-weights, the collectives inside the model keep them in step, and the logits come out whole and identical on
-every rank, so every rank samples the same tokens and returns the same outputs (with speculative decoding, each
-rank also proposes the same drafts from the same tokens). Multi-node is the same script under `torchrun --nnodes 2
---node-rank K --master-addr HOST ...` on each machine.
+`torchrun` starts the processes and tells each its place (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`);
+each builds the same `LLM` and gets the same requests. There is no broadcast: each rank's scheduler makes the same
+decisions from the same inputs, the collectives keep the forward passes in step, and the logits come out whole
+and identical on every rank, so every rank samples (and drafts) the same tokens. Multi-node is the same script
+under `torchrun --nnodes 2 --node-rank K --master-addr HOST ...` on each machine.
 
 Where this lives in vLLM: `vllm/v1/executor/uniproc_executor.py` (`ExecutorWithExternalLauncher`), selected by
 `distributed_executor_backend="external_launcher"`.

@@ -2,36 +2,24 @@
 
     LLM("smollm2-135m", tensor_parallel_size=2)
 
-The engine core (scheduler, KV cache manager) lives only on rank 0 and knows nothing of ranks: block ids are
-the same on every rank, because every rank's KV cache has the same blocks, each holding that rank's heads. Each
-step, `execute_model` sends the step to every worker through its pipe (`WorkerProc.send_step`: as changes to the
-sequences the worker already holds, so a decode step costs its new tokens, not every context), and every rank runs
-the same forward pass on its slice of the weights (`solutions/distributed/layers.py`); the collectives inside the
-model keep them in step, and the logits come out whole on every rank. Rank 0's runner samples (`sample_tokens`);
-the others wait for the next step. A `None` stops them. Rank 0's side of a step is `execute_model_in_lockstep`, a
-worker's is `worker_busy_loop` (chapter 9's exercises). Starting, pinning, sizing and stopping the workers is
-`worker_proc.py`'s, shared with data parallelism.
+The engine core (scheduler, KV cache manager) lives only on rank 0 and knows nothing of ranks: every rank's KV
+cache has the same blocks, each holding that rank's heads. Each step, `execute_model` sends the step to every
+worker (`WorkerProc.send_step`: as changes to the sequences the worker already holds), and every rank runs the
+same forward pass on its slice of the weights (`solutions/distributed/layers.py`); the collectives keep them in
+step, and the logits come out whole on every rank. Rank 0's runner samples; a `None` stops the workers. Rank 0's
+side is `execute_model_in_lockstep`, a worker's `worker_busy_loop` (chapter 9's exercises); starting, pinning and
+stopping workers is `worker_proc.py`'s, shared with data parallelism. Speculative drafts travel in the same
+message, so every rank computes the same rows; only rank 0 verifies and proposes (a proposer calls no collective).
 
-With speculative decoding the step's drafts travel in the same message (`scheduled_spec_decode_tokens`): they
-are the input ids after each drafted sequence's newest token, and they say which k + 1 rows of logits to compute,
-so every rank runs the same rows and the all-gathers of the logits line up. Only rank 0 verifies them and
-proposes the next ones (the workers' runners have no proposer), so a proposer must not call a collective.
-
-The workers are started with "spawn" by default (a fresh interpreter, as the engine core's process in chapter 7):
-each loads the checkpoint itself, then keeps its slice, and runs the code `solutions/` holds on disk. With "fork"
-a worker is a copy of this process: it slices the model already in memory, and runs the code this process runs,
-including any a test or a notebook swapped in (chapter 9's capstone). On GPUs each rank has its own (rank r on
-cuda:r), NCCL carries the collectives, workers must be spawned (CUDA does not survive a fork), and steps run
-eagerly. A worker that dies is refused before the next step is sent; one that dies during a step shows up at the
-step's next collective: gloo raises when its peer's connection closes, or after the group's timeout
-(`COLLECTIVE_TIMEOUT_SECONDS`), and `execute_model` reports which rank is gone. (With NCCL a collective call returns
-once it is queued on the GPU; a missing peer shows up when the result is waited for, or at NCCL's own watchdog
-timeout.)
+Workers are spawned by default: each loads the checkpoint itself and runs the code on disk. With "fork" a worker
+is a copy of this process and runs any code a test or notebook swapped in (chapter 9's capstone). On GPUs rank r
+runs on cuda:r, NCCL carries the collectives, workers must be spawned, and steps run eagerly. A worker that dies
+is refused before the next step; one that dies during a step shows up at the next collective (gloo raises, or
+times out after `COLLECTIVE_TIMEOUT_SECONDS`), and `execute_model` reports which rank is gone.
 
 Where this lives in vLLM: `vllm/v1/executor/multiproc_executor.py` (`MultiprocExecutor`, `WorkerProc`), which
-sends the `SchedulerOutput` through a shared-memory message queue, and where every worker runs the sampler on the
-all-gathered logits (the driver's result is returned); the start method is its `VLLM_WORKER_MULTIPROC_METHOD`,
-whose default is "fork" (ours is "spawn").
+sends the `SchedulerOutput` through a shared-memory message queue, every worker sampling the all-gathered logits;
+its `VLLM_WORKER_MULTIPROC_METHOD` defaults to "fork" (ours to "spawn").
 """
 
 import weakref

@@ -6,17 +6,14 @@ model — tensor-parallel ranks 1..N-1 (`MultiprocExecutor`) and data-parallel r
     worker.send_step(scheduler_output)    # this worker's part of a step, as deltas (`solutions/worker/cached_requests`)
     shutdown_workers(workers)                                                     # None, a bounded join, then kill
 
-Each worker is a process with a pipe to the engine. The engine's end (`WorkerProc`) keeps what the worker has
-been sent (`StepEncoder`), so a step costs its changes; the worker's end (`WorkerChannel`) keeps the worker's copies
-of its sequences (`CachedRequests`) and gives its runner the step's `SchedulerOutput` over them. A worker says
-`ready` once its runner is built; a worker whose code raises sends its traceback and ends; one that dies closes its
-pipe. Every wait for a worker is bounded (`gather`): a silent one is killed and named, never waited for without end.
+The engine's end of each pipe (`WorkerProc`) keeps what the worker has been sent (`StepEncoder`); the worker's end
+(`WorkerChannel`) keeps its copies of its sequences (`CachedRequests`). A worker says `ready` once its runner is
+built; one whose code raises sends its traceback; one that dies closes its pipe. Every wait is bounded (`gather`):
+a silent worker is killed and named.
 
-On the CPU the workers share this process's cores: worker i of n is pinned to the i-th equal slice of this
-process's CPUs (its affinity mask), and runs torch on `worker_threads`: `cpu_threads` if set, else its CPUs within
-its share of a cgroup CPU quota. A forked worker runs one thread: GNU OpenMP's thread pool does not survive a fork,
-and a forked child that starts a team of 2 threads after its parent used one hangs (measured here). On GPUs worker
-i runs on its own device (the body picks it).
+On the CPU, worker i of n is pinned to the i-th slice of this process's CPUs and runs `worker_threads` torch
+threads (`cpu_threads`, else its CPUs within its share of a cgroup quota). A forked worker runs one thread: GNU
+OpenMP's pool does not survive a fork (a forked child starting 2 threads hangs). On GPUs worker i has its own device.
 
 Where this lives in vLLM: `vllm/v1/executor/multiproc_executor.py` (`WorkerProc`: `make_worker_process`, its ready
 pipe, `worker_busy_loop`; the executor's `collective_rpc` with a timeout; `shutdown`) and
@@ -180,8 +177,7 @@ def start_workers(
 def poll(workers: dict[int, WorkerProc], deadlines: dict[int, float]) -> tuple[dict[int, object], list[int]]:
     """Wait until one of `workers` (key -> worker) replies or the earliest of their `deadlines` (monotonic seconds)
     passes, then take every reply already there: (key -> its payload, the keys of those that died or are past their
-    deadline, which are killed). A worker that sends a traceback raises it here, naming the worker: a bug, not a
-    fault."""
+    deadline, which are killed). A worker's traceback is raised here, naming the worker: a bug, not a fault."""
     replies: dict[int, object] = {}
     dead: list[int] = []
     pending = {worker.conn: key for key, worker in workers.items()}

@@ -1,24 +1,19 @@
 """The prefix cache's second tier: blocks the device pool evicts are kept in a host pool, and loaded back on a hit.
 
-The device pool keeps a freed full block cached until `get_new_blocks` hands it out for other tokens (chapter 4):
-that eviction is where this tier comes in. The device pool reports it (`on_evict`), and when the step's batch is
-decided (`take_transfers`), `prepare_store` copies each evicted block to a host block registered under the same hash
-(`queue_store`);
-the host pool is a `BlockPool` too, so its free queue makes the host side LRU (a stored or touched block goes to the
-tail; the head is overwritten first). At admission, after the device's own lookup, `lookup` counts how many of the
-prompt's next blocks the host holds and `touch` marks them recently used; the scheduler allocates device blocks for
-them and `prepare_load` holds them and copies them back instead of recomputing them.
+A freed full block stays cached in the device pool until `get_new_blocks` hands it out for other tokens (chapter
+4); the pool reports that eviction (`on_evict`), and when the step's batch is decided (`take_transfers`),
+`prepare_store` copies each evicted block to a host block registered under the same hash. The host pool is a
+`BlockPool` too, so its free queue makes it LRU. At admission, after the device's own lookup, `lookup` counts how
+many of the prompt's next blocks the host holds and `touch` marks them used; the scheduler allocates device blocks
+for them and `prepare_load` copies them back instead of recomputing them.
 
-A host block that a step reads or writes is held (`ref_cnt` 1) from `prepare_load` or `prepare_store` until the step
-has run (`complete_transfers`, called when the step's output comes back), so no store can overwrite it first. Stores
-are prepared after every load of the step is held (vLLM prepares its stores when the step's metadata is built, too).
-The step's copies leave with `take_transfers` in the `SchedulerOutput`; the runner makes the stores before the loads
-(a device block evicted and reused in one step is read before it is written).
+A host block a step reads or writes is held (`ref_cnt` 1) from `prepare_load` or `prepare_store` until the step's
+output comes back (`complete_transfers`), so no store overwrites it first; stores are prepared after every load is
+held. The copies leave in the `SchedulerOutput`; the runner makes the stores before the loads.
 
 Where this lives in vLLM: `vllm/v1/kv_offload/cpu/manager.py` (`CPUOffloadingManager`: `lookup`, `prepare_load`,
 `touch`, `complete_load`, `prepare_store`, `complete_store`; LRU in `cpu/policies/lru.py`). vLLM stores every new
-full block as it is computed (write-through); here a block is stored when the device evicts it (write-back), so the
-host holds only what the device lost.
+full block as it is computed (write-through); here a block is stored when the device evicts it (write-back).
 """
 
 from dataclasses import dataclass

@@ -26,19 +26,7 @@ def swap_out(device_pool: BlockPool, host_pool: BlockPool, seqs: list[Sequence])
     host block with `ref_cnt == k`, and the group's k references on the device are dropped (tail first, as `free`
     does). The caller checks that `host_pool` has `num_group_blocks(seqs)` free blocks.
     """
-    host_of: dict[int, KVCacheBlock] = {}
-    for seq in seqs:
-        device_table = list(seq.block_table)
-        for i, block_id in enumerate(device_table):
-            host = host_of.get(block_id)
-            if host is None:
-                (host,) = host_pool.get_new_blocks(1)
-                host_of[block_id] = host
-            else:
-                host.ref_cnt += 1
-            seq.block_table[i] = host.block_id
-        device_pool.free_blocks(device_pool.blocks[block_id] for block_id in reversed(device_table))
-    return [(device_id, host.block_id) for device_id, host in host_of.items()]
+    return _move_group(device_pool, host_pool, seqs)
 
 
 def swap_in(host_pool: BlockPool, device_pool: BlockPool, seqs: list[Sequence]) -> list[tuple[int, int]]:
@@ -47,16 +35,21 @@ def swap_in(host_pool: BlockPool, device_pool: BlockPool, seqs: list[Sequence]) 
     The mirror of `swap_out`: fresh device blocks, shared as the host blocks were, the host references dropped.
     The caller checks that `device_pool` has `num_group_blocks(seqs)` free blocks.
     """
-    device_of: dict[int, KVCacheBlock] = {}
+    return _move_group(host_pool, device_pool, seqs)
+
+
+def _move_group(source: BlockPool, destination: BlockPool, seqs: list[Sequence]) -> list[tuple[int, int]]:
+    """`swap_out` and `swap_in`: one fresh `destination` block per distinct `source` block, shared as it was."""
+    moved_to: dict[int, KVCacheBlock] = {}
     for seq in seqs:
-        host_table = list(seq.block_table)
-        for i, block_id in enumerate(host_table):
-            device = device_of.get(block_id)
-            if device is None:
-                (device,) = device_pool.get_new_blocks(1)
-                device_of[block_id] = device
+        old_table = list(seq.block_table)
+        for i, block_id in enumerate(old_table):
+            block = moved_to.get(block_id)
+            if block is None:
+                (block,) = destination.get_new_blocks(1)
+                moved_to[block_id] = block
             else:
-                device.ref_cnt += 1
-            seq.block_table[i] = device.block_id
-        host_pool.free_blocks(host_pool.blocks[block_id] for block_id in reversed(host_table))
-    return [(host_id, device.block_id) for host_id, device in device_of.items()]
+                block.ref_cnt += 1
+            seq.block_table[i] = block.block_id
+        source.free_blocks(source.blocks[block_id] for block_id in reversed(old_table))
+    return [(old_id, block.block_id) for old_id, block in moved_to.items()]

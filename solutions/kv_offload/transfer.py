@@ -1,13 +1,10 @@
 """The copies the scheduler's swap and offload decisions ask for, made by the model runner before the forward pass.
 
-A host pool is a `KVCache` like the device's (every layer's key and value blocks, the same block shape), in host
-memory (pinned on a GPU, so copies over PCIe run at full speed). On the CPU both pools are RAM, and a "swap" is a
-memory copy between them: what Fig. 19a times over PCIe costs here a memcpy.
-
-`swap_blocks` moves any number of blocks with three operations per cache tensor (layer, K or V), never one per
-block: gather the source blocks into one contiguous run, move the run to the other side in one copy, scatter it
-into the destination blocks. On a GPU the runner issues a step's copies on a stream of their own (`KVTransfer`), and
-the forward pass waits for them only where it first touches the cache; on the CPU the same calls run in order.
+A host pool is a `KVCache` like the device's, in host memory (pinned on a GPU, so PCIe copies run at full speed;
+on the CPU a "swap" is a memcpy). `swap_blocks` moves any number of blocks with three operations per cache tensor,
+never one per block: gather the source blocks into one run, copy it across, scatter it into the destination
+blocks. On a GPU a step's copies run on their own stream (`KVTransfer`), and the forward pass waits for them only
+where it first touches the cache.
 
 Where this lives in vLLM: `vllm/worker/cache_engine.py` (vLLM v0: `CacheEngine.swap_in` / `swap_out`, one
 `swap_blocks` call per layer, which issues one `cudaMemcpyAsync` per block) and `vllm/v1/kv_offload/cpu/gpu_worker.py`

@@ -1,27 +1,20 @@
 """Serving metrics in Prometheus's text format, under vLLM v1's names, for the server's `/metrics`.
 
-Three kinds of metric, as Prometheus defines them:
-- gauges hold the latest value: `vllm:num_requests_running`, `vllm:num_requests_waiting`,
-  `vllm:kv_cache_usage_perc` (a fraction 0..1, as in vLLM v1, despite the name), `vllm:num_requests_swapped`
-  (vLLM v0's: sequences whose blocks are in the swap pool, chapter 11), `vllm:num_dead_replicas` (ours, data
-  parallelism: replicas whose process died; the server keeps serving on the others);
-- counters only grow (the exposition adds `_total`): `vllm:prompt_tokens`, `vllm:generation_tokens`,
-  `vllm:prefix_cache_queries`, `vllm:prefix_cache_hits` (both in tokens), `vllm:num_preemptions`, and the host
-  tier's `vllm:external_prefix_cache_queries`, `vllm:external_prefix_cache_hits` (tokens looked up past the device's
-  hits, and found in host memory; chapter 11);
-  a rate (tokens/s, hit rate) is computed by whoever scrapes them, from two scrapes;
-- histograms count observations per bucket, so percentiles can be estimated later:
-  `vllm:time_to_first_token_seconds` (arrival in `generate` → first token) and
-  `vllm:inter_token_latency_seconds` (between one request's consecutive outputs).
+- gauges (the latest value): `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`
+  (a fraction 0..1, as in vLLM v1), `vllm:num_requests_swapped` (vLLM v0's, chapter 11), `vllm:num_dead_replicas`
+  (ours: data-parallel replicas whose process died);
+- counters (exposed with `_total`; rates come from two scrapes): `vllm:prompt_tokens`, `vllm:generation_tokens`,
+  `vllm:prefix_cache_queries`, `vllm:prefix_cache_hits` (in tokens), `vllm:num_preemptions`, and the host tier's
+  `vllm:external_prefix_cache_queries`, `vllm:external_prefix_cache_hits` (chapter 11);
+- histograms: `vllm:time_to_first_token_seconds` (arrival → first token), `vllm:inter_token_latency_seconds`.
 
-With speculative decoding on (and only then, as in vLLM), four more counters: `vllm:spec_decode_num_drafts`
-(sequences' drafts verified), `vllm:spec_decode_num_draft_tokens`, `vllm:spec_decode_num_accepted_tokens` and
-`vllm:spec_decode_num_accepted_tokens_per_pos` (label `position`, 0 .. num_speculative_tokens - 1: drafts accepted
-at least that far). From two scrapes: the acceptance rate is accepted / draft tokens, the mean acceptance length
-1 + accepted tokens / drafts (the bonus token counted), and per position accepted_per_pos / drafts.
+With speculative decoding on (only then, as in vLLM): `vllm:spec_decode_num_drafts`,
+`vllm:spec_decode_num_draft_tokens`, `vllm:spec_decode_num_accepted_tokens` and
+`vllm:spec_decode_num_accepted_tokens_per_pos` (label `position`). Acceptance rate: accepted / draft tokens; mean
+acceptance length: 1 + accepted / drafts.
 
-Every metric carries a `model_name` label, as vLLM's do. The logger owns its own `CollectorRegistry`, not
-`prometheus_client`'s global one: two engines in one process (tests, a benchmark) keep separate books.
+Every metric carries a `model_name` label. The logger owns its `CollectorRegistry`, not `prometheus_client`'s
+global one, so two engines in one process keep separate books.
 
 Where this lives in vLLM: `vllm/v1/metrics/loggers.py` (`PrometheusStatLogger`) and
 `vllm/v1/spec_decode/metrics.py` (`SpecDecodingProm`).
@@ -36,6 +29,22 @@ from solutions.metrics.stats import IterationStats, SchedulerStats
 # can take many seconds, so both ranges reach far further than a GPU server would need.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)
+# The metrics a `SchedulerStats` sets: (name, kind, help, the field it reads)
+SCHEDULER_METRICS = (
+    ("vllm:num_requests_running", Gauge, "Sequences in the running batch.", "num_running"),
+    ("vllm:num_requests_waiting", Gauge, "Sequences waiting to be scheduled.", "num_waiting"),
+    ("vllm:kv_cache_usage_perc", Gauge, "Fraction of the KV blocks in use (1 = full).", "kv_cache_usage"),
+    ("vllm:prefix_cache_queries", Counter, "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
+    ("vllm:prefix_cache_hits", Counter, "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+    ("vllm:num_preemptions", Counter, "Sequences preempted (by recompute or swapping).", "num_preemptions"),
+    ("vllm:num_requests_swapped", Gauge, "Sequences swapped out to host memory.", "num_swapped"),
+    ("vllm:num_dead_replicas", Gauge, "Data-parallel replicas whose process died (their requests run on the others).",
+     "num_dead_replicas"),
+    ("vllm:external_prefix_cache_queries", Counter,
+     "Prompt tokens looked up in the host tier (past the device's hits).", "external_prefix_cache_queries"),
+    ("vllm:external_prefix_cache_hits", Counter, "Prompt tokens found in the host tier and loaded back.",
+     "external_prefix_cache_hits"),
+)
 
 
 class PrometheusStatLogger:
@@ -50,28 +59,14 @@ class PrometheusStatLogger:
         self.registry = CollectorRegistry()
         labels = dict(labelnames=["model_name"], registry=self.registry)
 
-        def gauge(name: str, documentation: str) -> Gauge:
-            return Gauge(name, documentation, **labels).labels(model_name)
-
         def counter(name: str, documentation: str) -> Counter:
             return Counter(name, documentation, **labels).labels(model_name)
 
-        self.num_requests_running = gauge("vllm:num_requests_running", "Sequences in the running batch.")
-        self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Sequences waiting to be scheduled.")
-        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of the KV blocks in use (1 = full).")
-        self.prefix_cache_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.num_preemptions = counter("vllm:num_preemptions", "Sequences preempted (by recompute or swapping).")
-        self.num_requests_swapped = gauge("vllm:num_requests_swapped", "Sequences swapped out to host memory.")
-        self.num_dead_replicas = gauge(
-            "vllm:num_dead_replicas", "Data-parallel replicas whose process died (their requests run on the others)."
-        )
-        self.external_prefix_cache_queries = counter(
-            "vllm:external_prefix_cache_queries", "Prompt tokens looked up in the host tier (past the device's hits)."
-        )
-        self.external_prefix_cache_hits = counter(
-            "vllm:external_prefix_cache_hits", "Prompt tokens found in the host tier and loaded back."
-        )
+        # each scheduler metric's update: a gauge's `set`, a counter's `inc`, with its `SchedulerStats` field
+        self.scheduler_updates = []
+        for name, kind, documentation, stats_field in SCHEDULER_METRICS:
+            metric = kind(name, documentation, **labels).labels(model_name)
+            self.scheduler_updates.append((metric.set if kind is Gauge else metric.inc, stats_field))
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of requests that produced a first token.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
         self.time_to_first_token = Histogram(
@@ -89,16 +84,8 @@ class PrometheusStatLogger:
     def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
         """Add one message's statistics (either may be None: a message with nothing of that kind)."""
         if scheduler_stats is not None:
-            self.num_requests_running.set(scheduler_stats.num_running)
-            self.num_requests_waiting.set(scheduler_stats.num_waiting)
-            self.kv_cache_usage.set(scheduler_stats.kv_cache_usage)
-            self.prefix_cache_queries.inc(scheduler_stats.prefix_cache_queries)
-            self.prefix_cache_hits.inc(scheduler_stats.prefix_cache_hits)
-            self.num_preemptions.inc(scheduler_stats.num_preemptions)
-            self.num_requests_swapped.set(scheduler_stats.num_swapped)
-            self.num_dead_replicas.set(scheduler_stats.num_dead_replicas)
-            self.external_prefix_cache_queries.inc(scheduler_stats.external_prefix_cache_queries)
-            self.external_prefix_cache_hits.inc(scheduler_stats.external_prefix_cache_hits)
+            for update, stats_field in self.scheduler_updates:
+                update(getattr(scheduler_stats, stats_field))
             if self.spec_decoding is not None:
                 self.spec_decoding.observe(scheduler_stats)
         if iteration_stats is not None:

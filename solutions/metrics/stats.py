@@ -12,7 +12,7 @@ Counts here are per message ("in this step"); the Prometheus logger adds them up
 Where this lives in vLLM: `vllm/v1/metrics/stats.py` (`SchedulerStats`, `IterationStats`, `RequestStateStats`).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from solutions.outputs import RequestOutput
 
@@ -87,17 +87,10 @@ class EngineStats:
         if scheduler_stats is None or not scheduler_stats.seconds:
             return  # a refusal, or a report between steps
         self.num_steps += 1
-        self.num_prefill_tokens += scheduler_stats.num_prefill_tokens
-        self.num_decode_tokens += scheduler_stats.num_decode_tokens
-        self.num_drafts += scheduler_stats.num_drafts
-        self.num_preemptions += scheduler_stats.num_preemptions
-        self.num_swapped_out += scheduler_stats.num_swapped_out
-        self.num_blocks_swapped_out += scheduler_stats.num_blocks_swapped_out
-        self.num_blocks_swapped_in += scheduler_stats.num_blocks_swapped_in
-        self.prefix_cache_hits += scheduler_stats.prefix_cache_hits
-        self.external_prefix_cache_hits += scheduler_stats.external_prefix_cache_hits
-        self.num_draft_tokens += scheduler_stats.num_draft_tokens
-        self.num_accepted_tokens += scheduler_stats.num_accepted_tokens
+        for f in fields(self):  # the counts a step's record has too: summed over the steps
+            total = getattr(self, f.name)
+            if isinstance(total, int) and hasattr(scheduler_stats, f.name):
+                setattr(self, f.name, total + getattr(scheduler_stats, f.name))
         self.num_accepted_tokens_per_pos = add_per_pos(
             self.num_accepted_tokens_per_pos, scheduler_stats.num_accepted_tokens_per_pos
         )

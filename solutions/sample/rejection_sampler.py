@@ -1,28 +1,19 @@
 """Verify draft tokens against the target model's distribution, keeping the output exactly the target's.
 
-A sequence that proposed k draft tokens is scored at k + 1 positions in one forward pass: position j gives the
-target's distribution for draft token j (j < k), position k the one after the last draft (the bonus row). The
-output is the accepted drafts followed by exactly one token the target chooses: at the first rejected position
-the recovered token, or, when all k are accepted, the bonus token. So every step yields 1 to k + 1 tokens.
+A sequence with k drafts is scored at k + 1 positions in one forward pass: position j gives the target's
+distribution for draft j, position k the one after the last draft (the bonus row). The output is the accepted
+drafts and exactly one token the target chooses (the recovered token at the first rejection, else the bonus
+token): 1 to k + 1 tokens a step.
 
-Greedy rows (temperature 0) accept while the draft equals the target's argmax, then emit the target's argmax at
-that position: the output is exactly what decoding without speculation would give.
+Greedy rows (temperature 0) accept while the draft equals the target's argmax, then emit that argmax: exactly
+decoding without speculation. Random rows (Leviathan et al. 2023, §2.3; Chen et al. 2023) accept draft x with
+probability min(1, p(x) / q(x)), p the target's processed distribution (as `sampler.sample`), q the draft's; on
+rejection the token is drawn from normalise(max(0, p - q)), which yields p exactly. An n-gram draft's q is one-hot
+on x: x is accepted with probability p(x), the replacement drawn from p without x.
 
-Random rows (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding", §2.3; Chen et al.
-2023) compare the target's processed distribution p (temperature, top-k, top-p, min-p, as `sampler.sample`
-does) with the draft's distribution q: draft token x is accepted with probability min(1, p(x) / q(x)); on
-rejection the token is drawn from normalise(max(0, p - q)), the mass p has beyond q. Accepting x or replacing it
-then yields p exactly. An n-gram draft has no distribution: q is one-hot on x, so x is accepted with probability
-p(x) and the replacement is drawn from p with x removed. The bonus token is drawn from p at the bonus row.
-
-Each random sequence draws k + 1 uniforms from its own generator (the global one when it has none), in a fixed
-order: one per draft position for the accept test, then one for the final token (inverse CDF, as `sample`).
-A seeded sequence thus draws the same tokens whatever shares its batch, and with k = 0 it samples exactly as
-`sample` does. Greedy sequences draw nothing. Penalties and logit processors are the caller's, applied to
-`target_logits` before this.
-
-`rejection_sample` takes the whole batch (the rows of every sequence, its processed distributions computed
-batched) and verifies one sequence at a time: `rejection_greedy_sample` or `rejection_random_sample`.
+Each random sequence draws k + 1 uniforms from its own generator (the global one without), one per draft then one
+for the final token (inverse CDF, as `sample`), so a seeded sequence draws the same tokens whatever shares its
+batch, and with k = 0 samples exactly as `sample`. Penalties and logit processors are applied by the caller.
 
 Where this lives in vLLM: `vllm/v1/sample/rejection_sampler.py` (`RejectionSampler`, `rejection_sample`,
 `sample_recovered_tokens`); vLLM samples the bonus token outside, with the ordinary sampler, and draws the

@@ -1,24 +1,16 @@
 """From each row of logits to a next token, for the whole step at once.
 
-Greedy rows take the argmax. Sampled rows go through temperature, then the filters — top-k (keep the k most
-likely), top-p (keep the smallest set whose probability reaches p), min-p (drop tokens less likely than min_p
-times the most likely) — then draw one token. The filters run batched, each a mask over the sampled rows
-that use it, with each row's own k, p and min_p (top-k and top-p each sort their rows; min-p needs no sort).
+Greedy rows take the argmax. Sampled rows go through temperature, then the filters — top-k (the k most likely),
+top-p (the smallest set whose probability reaches p), min-p (drop tokens less likely than min_p times the most
+likely) — batched, each a mask over the rows that use it, then draw one token. The draw is per row: each sequence
+owns a host `torch.Generator` and picks its token by inverse CDF, so a seeded request draws the same whatever else
+shares the step, on the CPU or a GPU (the uniforms are copied to the logits' device).
 
-The draw is the one per-row part: each sequence owns a `torch.Generator`, so a seeded request draws the same
-uniform number whatever else shares the step, and picks its token by inverse CDF (the first token whose
-cumulative probability exceeds it). That is what makes a seeded request reproducible inside any batch.
-
-The logits may live on a GPU: the filters and the draw run there, on the logits' device. The generators stay on
-the host (one scalar draw per sampled row, then one copy of the batch's uniforms to the device), so a seeded
-request draws the same numbers on the CPU and on a GPU.
-
-Before any of that, as vLLM does, the raw logits are processed for every row, greedy ones included: one additive
-bias (B, V) holds `allowed_token_ids` (-inf elsewhere), `logit_bias`, `min_tokens` (-inf on EOS and the stop
-token ids until the row has that many output tokens) and `bad_words` (-inf on a word's last token where the output
-ends with the rest of it); then the repetition, presence and frequency penalties
-(`ops/penalties.py`). Each is built only in a step where some row uses it, and is exact for the rows that do not,
-so a plain step does no extra work and a seeded row samples the same in any batch. Logprobs are the raw model's.
+Before that, as vLLM does, the raw logits of every row are processed: one additive bias (B, V) holds
+`allowed_token_ids`, `logit_bias`, `min_tokens` (-inf on EOS and the stop token ids until enough output) and
+`bad_words` (-inf on a word's last token where the output ends with the rest of it); then the repetition,
+presence and frequency penalties (`ops/penalties.py`). Each is built only in a step where some row uses it and is
+exact for the rows that do not. Logprobs are the raw model's.
 
 Where this lives in vLLM: `vllm/v1/sample/sampler.py`, `vllm/v1/sample/ops/topk_topp_sampler.py`,
 `vllm/v1/sample/ops/penalties.py` (and min-p, min_tokens, logit_bias in `vllm/v1/sample/logits_processor/`).

@@ -1,32 +1,21 @@
 """The draft-model proposer, self-speculative: the target's own first L decoder layers, then its final norm and
 LM head, draft the next k tokens greedily.
 
-A draft model must be much cheaper than the target and agree with it often. Without a second checkpoint, the
-target's first layers are one: they share its embeddings, its tokenizer and its weights (no copy), and the
-final norm and LM head read a usable prediction from an early layer's hidden state because the residual stream
-carries it forward. LayerSkip (Elhoushi et al. 2024) trains a model so its early exits agree more; "Draft &
-Verify" (Zhang et al. 2023) skips intermediate layers instead of the last ones. Here nothing is trained: the
-acceptance rate against L is measured by `benchmarks/self_speculation.py`.
+A draft model must be much cheaper than the target and agree with it often. The target's first layers are one,
+with no second checkpoint: they share its embeddings, tokenizer and weights, and the final norm and LM head read
+a usable prediction from an early hidden state because the residual stream carries it forward (LayerSkip,
+Elhoushi et al. 2024, trains for this; here nothing is trained, and `benchmarks/self_speculation.py` measures the
+acceptance rate against L).
 
-Each proposal, for every sequence that sampled this step:
+Each proposal, for every sequence that sampled this step: catch up — the draft keeps its own K/V for its L layers
+in a dense per-sequence cache (chapter 2's, grown by doubling), rewinds it to the longest prefix it shares with the
+sequence's tokens (dropping rejected drafts) and reads the tokens it has not seen; then draft k greedy steps. The
+linear layers see every sequence's rows at once; attention runs per sequence over its own cache. The drafts are
+greedy (q one-hot), so `rejection_sample(..., draft_probs=None)` keeps random sampling exact.
 
-1. catch up: the draft keeps its own K/V for its L layers per sequence, in a dense per-sequence cache (chapter
-   02's contiguous cache, grown by doubling). It rewinds that cache to the longest prefix it shares with the
-   sequence's tokens (dropping what it computed for drafts the target rejected), then reads the tokens it has
-   not seen: the whole prompt on first sight, then the tokens verified since its last proposal;
-2. draft: k greedy steps through its L layers, the first on the catch-up pass's last row.
-
-The steps are batched across sequences (the linear layers see every sequence's rows at once); attention runs one
-sequence at a time, each over its own dense cache. The drafts are greedy, so the draft distribution q is one-hot
-on the drafted token, and `rejection_sample(..., draft_probs=None)` — which accepts draft x with probability
-min(1, p(x) / q(x)) = p(x) and resamples from p without x — keeps random sampling exact.
-
-The cost of keeping its own cache, reported by the benchmark: the draft stores L layers' K/V per token (L/N of
-the target's, N layers in all), and its catch-up recomputes L layers for every verified token, which the target
-has just computed too; a draft that read the target's first L layers' K/V from the paged cache would pay
-neither (vLLM's EAGLE shares the target's hidden states for the same reason). A sequence that leaves the batch
-(finished or preempted) loses its draft cache, so the memory is bounded by the batch; a preempted sequence
-catches up on its whole context when it returns.
+The price of its own cache: L/N of the target's K/V per token, and a catch-up that recomputes L layers for tokens
+the target has just computed (vLLM's EAGLE shares the target's hidden states for this reason). A sequence that
+leaves the batch loses its draft cache, so the memory is bounded by the batch.
 
 Where this lives in vLLM: `vllm/v1/spec_decode/draft_model.py` (`DraftModelProposer`, method "draft_model", a
 separate checkpoint with its own paged KV cache). `num_draft_layers` (the self-speculative draft) is ours.
@@ -98,13 +87,10 @@ class DraftAttention:
 
 
 class DraftModelProposer:
-    """Drafts `num_speculative_tokens` tokens per sequence with the target's first `num_draft_layers` layers
-    (method "draft_model"; `num_draft_layers` is ours: vLLM's draft model is a separate checkpoint).
-
-    `caches` holds a `DraftKVCache` per sequence of the last proposal's batch. The counters make the cost of
-    keeping them visible: over `num_proposals` calls, `num_catch_up_tokens` tokens re-read (each prompt once,
-    then every verified token the draft had not fed itself), the seconds spent in catch-up passes (each also
-    yields the first draft) and in the k - 1 later draft steps.
+    """Drafts `num_speculative_tokens` tokens per sequence with the target's first `num_draft_layers` layers (method
+    "draft_model"). `caches` holds a `DraftKVCache` per sequence of the last proposal's batch; the counters show what
+    keeping them costs: over `num_proposals` calls, `num_catch_up_tokens` tokens re-read, and the seconds spent in
+    catch-up passes (each also yields the first draft) and in the k - 1 later draft steps.
     """
 
     def __init__(self, model: LlamaForCausalLM, num_draft_layers: int, num_speculative_tokens: int) -> None:

@@ -2,16 +2,10 @@
 the last time they occurred in the context.
 
 Take the longest suffix of the context whose length n lies in [prompt_lookup_min, prompt_lookup_max] and which
-also occurs earlier in the context (an occurrence may overlap the suffix, it only has to end before the last
-token). Propose the up to `num_speculative_tokens` tokens that followed that occurrence: fewer when the context
-ends first, none when no suffix of an allowed length occurs earlier. Among several earlier occurrences of the
-longest suffix it takes the first (leftmost) one, as vLLM does. It costs no model call, and pays off where the
-output copies its input: code edits, summaries that quote, retrieval answers.
-
-The search is O(L * prompt_lookup_max) numpy work for a context of L tokens: for every earlier position e it
-measures how many tokens ending at e equal the context's last tokens (capped at prompt_lookup_max), one
-vectorised comparison per suffix length. vLLM finds the same match with KMP over the reversed context
-(O(L), compiled with numba).
+also occurs earlier (ending before the last token; overlap allowed), and propose up to `num_speculative_tokens`
+tokens that followed its first occurrence, as vLLM does. It costs no model call, and pays off where the output
+copies its input: code edits, quoting summaries, retrieval answers. The search is O(L * prompt_lookup_max) numpy
+work, one vectorised comparison per suffix length; vLLM uses KMP over the reversed context (O(L), numba).
 
 Where this lives in vLLM: `vllm/v1/spec_decode/ngram_proposer.py` (`NgramProposer`,
 `_find_longest_matched_ngram_and_propose_tokens`).

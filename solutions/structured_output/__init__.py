@@ -2,25 +2,19 @@
 
     SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))   # or regex=, choice=, grammar=
 
-The front end's processor has already validated the constraint (`GuidanceBackend.validate_grammar`: a
-constraint that does not compile is a ValueError there, before anything is queued). The manager, in the engine
-core, does the rest, in the order a step runs them:
-    grammar_init     at `add_request` (and when a sample is forked): compile the constraint (cached by its
-                     text) into a fresh matcher for one sample
-    grammar_bitmask  `scheduler.get_grammar_bitmask`, before the forward pass: `submit_grammar_bitmask` starts
-                     filling the (N, W) mask of the step's N sampling rows on a worker thread while the forward
-                     pass runs (the library drops the GIL), every row of an unconstrained sample all ones; the
-                     runner waits for it and applies it to the logits before sampling (`apply_token_bitmask`)
-    then `update_from_output` advances each matcher by its sampled token, and a sample whose grammar is
-    complete (`is_terminated`) finishes with finish_reason "stop" — without sampling EOS, where vLLM's mask
-    allows only EOS once the grammar is complete and the ordinary EOS check ends the sample a step later.
+The front end's processor has validated the constraint (`GuidanceBackend.validate_grammar`); the manager, in the
+engine core, does the rest, in step order:
+    grammar_init     at `add_request` (and at a fork): compile the constraint (cached by its text) into a fresh
+                     matcher for one sample
+    grammar_bitmask  before the forward pass, `submit_grammar_bitmask` fills the (N, W) mask of the step's
+                     sampling rows on a worker thread (the library drops the GIL), all ones for an unconstrained
+                     sample; the runner applies it to the logits before sampling (`apply_token_bitmask`)
+    then `update_from_output` advances each matcher by its sampled token, and a sample whose grammar is complete
+    (`is_terminated`) finishes with "stop" at once (vLLM allows only EOS then, ending it a step later).
 
-A matcher lives with its sample, so nothing changes for the rest of the engine. Preemption by recompute keeps a
-sequence's tokens, and so its matcher's state is still right when the sequence resumes: it recomputes K/V for
-tokens the matcher has already accepted, and samples the next one. Prefix caching and streaming never touch it.
-
-JSON, regex and Lark grammars compile with llguidance (`backend_guidance.py`); `choice` uses the matcher of
-chapter 08, written by hand (`choice.py`).
+A matcher lives with its sample: preemption by recompute keeps the tokens, so the matcher is still right when the
+sequence resumes; prefix caching and streaming never touch it. JSON, regex and Lark grammars compile with
+llguidance (`backend_guidance.py`); `choice` uses chapter 8's hand-written matcher (`choice.py`).
 
 Where this lives in vLLM: `vllm/v1/structured_output/__init__.py` (`StructuredOutputManager`), with the
 request's side in `vllm/v1/structured_output/request.py` and the mask applied in the model runner.

@@ -1,21 +1,15 @@
 """JSON schemas, regular expressions and grammars, compiled by llguidance into token masks.
 
-llguidance (the engine behind Microsoft's Guidance, one of vLLM's structured-output backends) parses the output
-with an Earley parser over a lexer, and for each step computes which tokens can extend the output, walking a
-trie of the vocabulary's bytes. vLLM's default backend is `auto` (`StructuredOutputsConfig.backend`,
-`vllm/config/structured_outputs.py`), which takes xgrammar for what xgrammar supports and llguidance otherwise.
+llguidance (the engine behind Microsoft's Guidance, one of vLLM's backends) parses the output with an Earley
+parser over a lexer and computes each step's allowed tokens by walking a trie of the vocabulary's bytes. vLLM's
+default, `auto`, takes xgrammar where it can and llguidance otherwise.
 
-Why llguidance here (`python -m benchmarks.structured_output` with xgrammar 0.2.8 installed beside it; SmolLM2's
-tokenizer, a person schema of 4 fields; a 2-core Intel Xeon with AVX-512, 2026-11-23; one run, not repeated):
-"compiling" the schema took about 0.5 ms with llguidance against about 104 ms with xgrammar. That sets a lazy
-compiler against an eager one: llguidance only parses the grammar and builds its lexer's states as matching
-reaches them, so part of its work moves into the first masks; xgrammar precomputes, for every state of its
-automaton, the tokens whose fate the stack cannot change, so its masks are cheaper afterwards (about 1.3 µs
-against 27 µs per request per step in the same run; at 64 requests 1.6 ms for llguidance, filled while a
-forward pass of about 130 ms runs). And vLLM compiles on a thread pool while the request waits, so neither
-compile sits on a running step's path there; this engine compiles at `add_request`, between two steps, where a
-lazy compiler costs the steps less. llguidance also needs nothing else installed (xgrammar brings its own
-runtime and asks for torch, triton and transformers).
+Why llguidance here (`python -m benchmarks.structured_output`, xgrammar 0.2.8, SmolLM2's tokenizer, a 4-field
+schema, a 2-core Intel Xeon, 2026-11-23, one run): compiling took about 0.5 ms against xgrammar's 104 ms. A lazy
+compiler against an eager one: xgrammar's precomputed masks are cheaper afterwards (1.3 µs against 27 µs per
+request per step; 1.6 ms at 64 requests, filled while a ~130 ms forward pass runs), but this engine compiles at
+`add_request`, between two steps (vLLM compiles on a thread pool while the request waits), where a lazy compiler
+costs the steps less. llguidance also needs nothing else installed.
 
 Where this lives in vLLM: `vllm/v1/structured_output/backend_guidance.py` (`GuidanceBackend`, `GuidanceGrammar`).
 """

@@ -1,15 +1,10 @@
 """A grammar for `choice` written by hand: the output must be exactly one of a few strings.
 
-Why this is not a lookup of each choice's token ids. The tokenizer would write "Paris" as one token, but the
-model may well produce "Par" + "is", or " Paris" with its space glued on, and every one of those paths spells a
-valid answer. A token is a string of bytes, and several tokens can cover the same bytes. So the state is the
-*text* produced so far, not a position in one tokenisation: the next token may be any token whose bytes keep the
-output a prefix of some choice. When the text equals a choice, the end-of-sequence token is allowed too; when no
-choice extends it any further, the output is complete.
-
-The text is kept as UTF-8 bytes, as llguidance and xgrammar keep theirs: SmolLM2's byte-level BPE has tokens
-that hold part of a character (313 of its 49,152; "東京" is written as four of them), which no decoded string
-can place, so a choice with CJK text or emoji is reachable only at the byte level.
+Not a lookup of each choice's token ids: the tokenizer writes "Paris" as one token, but the model may produce
+"Par" + "is", and several tokens can cover the same bytes. So the state is the *text* produced so far: the next
+token may be any token whose bytes keep the output a prefix of some choice; EOS is allowed when it equals one, and
+the output is complete when no choice extends it. The text is kept as UTF-8 bytes, as llguidance and xgrammar keep
+theirs: SmolLM2 has tokens holding part of a character ("東京" is four of them).
 
 Where this lives in vLLM: vLLM compiles a choice list into a grammar for its backend (`choice_as_grammar` in
 `vllm/v1/structured_output/utils.py`, used by `backend_xgrammar.py`; a Lark alternation in `backend_guidance.py`).

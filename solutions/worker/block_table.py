@@ -1,19 +1,16 @@
 """The persistent block table: the runner's copy of the running sequences' block tables, kept from step to step.
 
-Attention kernels take the step's block tables as one (B, max_blocks) int32 tensor. Built from the sequences'
-lists every step, that costs a Python write per block of every sequence — O(batch × context / block_size) per
-step — though a decode step changes at most one block per sequence. vLLM's model runner keeps the tensor instead
-(its persistent batch): a sequence keeps its row while it stays in the batch, and a step writes only what changed
-(a block appended, a block replaced by copy-on-write); one gather then lays the step's rows out in batch order.
+Attention kernels take the step's block tables as one (B, max_blocks) int32 tensor. Rebuilt every step, that costs
+a Python write per block of every sequence, though a decode step changes at most one block per sequence. So, as
+vLLM's persistent batch does, a sequence keeps its row while it stays in the batch, a step writes only what
+changed (a block appended or copied on write), and one gather lays the rows out in batch order.
 
-Invariant: while a sequence keeps its row, the entries before the block holding its first new token of the step
-(`num_computed_tokens // block_size`) hold computed K/V and never change; a sequence only loses them by leaving
-the batch (preemption, swap-out, finish). So a row is released in the first step whose batch lacks its sequence,
-and each step compares a kept row only from that block on. A sequence preempted and admitted again within one
-schedule never leaves the batch, yet its table is new (other cached blocks, a swap-in's fresh ones): the rows the
-step lists as admitted (`new_seq_ids`, `resumed_seq_ids`, `swapped_in_seq_ids`) are written whole. A row is also
-written anew when its sequence object or its block-table list is not the one it was written from (a hand-made step
-reusing a seq_id).
+Invariant: while a sequence keeps its row, the entries before the block holding its first new token
+(`num_computed_tokens // block_size`) never change; it only loses them by leaving the batch, and a row is
+released in the first step without its sequence. A sequence preempted and admitted again within one schedule
+never leaves the batch, yet its table is new: rows the step lists as admitted (`new_seq_ids`, `resumed_seq_ids`,
+`swapped_in_seq_ids`) are written whole, as is a row whose sequence or block-table list is not the one it was
+written from.
 
 Where this lives in vLLM: `vllm/v1/worker/block_table.py` (`BlockTable`: `add_row`, `append_row`), and the row of
 each request in `vllm/v1/worker/gpu_input_batch.py` (`InputBatch.req_id_to_index`; `GPUModelRunner._update_states`

@@ -1,26 +1,17 @@
 """What a worker process is sent each step: its requests whole once, then only what changed.
 
-In one process the model runner reads the step's `Sequence`s themselves. A worker in another process (a
-tensor-parallel rank, a data-parallel replica) cannot share them, and pickling them whole every step costs every
-token id and block id of every running sequence: O(total context) per step, where a decode step changes one token
-and at most one block per sequence. So the engine's end of each worker's pipe keeps what that worker has been sent
-(`StepEncoder`), and the worker keeps a copy of each of its sequences (`CachedRequests`), built from
-`NewRequestData` the first time it is scheduled (or again after a preemption, a swap or a re-placement: its
-table is new) and brought up to date by `CachedRequestData` afterwards: the tokens appended since, and the block
-table from the block holding the step's first new token on (the blocks before it hold computed K/V and do not
-change while the sequence runs: the invariant `BlockTable` relies on too). Finished sequences are named once in
-`finished_seq_ids` and forgotten; a preempted or swapped-out one is kept, and rewritten when it runs again.
+A worker in another process (a tensor-parallel rank, a data-parallel replica) cannot share the step's `Sequence`s,
+and pickling them whole every step costs O(total context), where a decode step changes one token and at most one
+block per sequence. So the engine's end of each pipe keeps what that worker has been sent (`StepEncoder`), and the
+worker keeps a copy of each sequence (`CachedRequests`): built from `NewRequestData` when first scheduled (or after
+a preemption, swap or re-placement), then updated by `CachedRequestData` — the tokens appended since, and the block
+table from the block holding the step's first new token on (earlier blocks do not change while it runs, the
+invariant `BlockTable` relies on too). Finished sequences are named once in `finished_seq_ids` and forgotten.
 
-A worker that samples (a data-parallel replica) keeps each drawing sequence's generator too: its state crosses the
-pipe once, with the first `NewRequestData` (or the fork) that worker is sent, and the worker draws from it from then
-on, preemptions included, so a seeded request samples what it samples in one process. The engine's copy of the
-generator is not brought back: a sequence requeued from a replica that died restarts its stream from the state it
-was first sent with (its tokens so far are kept; the rest is a fresh sample, not the dead replica's continuation).
-
-The worker rebuilds the step's `SchedulerOutput` over its copies, so its runner runs the same code as in one
-process: one message type, two carriers. Its copies are the same objects from step to step, so the runner's
-persistent block table (`BlockTable`) keeps their rows. The copies advance as the engine's do: the scheduler's
-`advance_computed_tokens`, then the step's forks.
+A sampling worker (a data-parallel replica) is sent each drawing sequence's generator state once and draws from it
+from then on, so a seeded request samples what it samples in one process. (A sequence requeued from a dead
+replica restarts its stream from the state first sent.) The worker rebuilds the step's `SchedulerOutput` over its
+copies, the same objects from step to step, so its runner runs the same code as in one process.
 
 Where this lives in vLLM: `vllm/v1/core/sched/output.py` (`NewRequestData`, `CachedRequestData`,
 `SchedulerOutput.finished_req_ids`: "we cache the request's data in each worker process, so that we don't need

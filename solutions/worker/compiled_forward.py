@@ -1,29 +1,20 @@
 """The forward pass compiled with `torch.compile`: one graph for every step, attention left to the step's backend.
 
-On the CPU an eager step pays for four things a compiler removes:
+On the CPU an eager step pays for what a compiler removes: matmuls on weights in their stored layout (inductor's
+*freezing* pre-packs them into oneDNN's blocked layout, up to 1.6× faster fp32 GEMMs); elementwise ops launched one
+by one (RMSNorm, RoPE, SiLU × up, residual adds: fused into one C++ loop per run); narrow matmuls that read the
+same input (q/k/v_proj, gate/up_proj: joined by *concat linear* into one wider GEMM, as vLLM's
+`QKVParallelLinear` stores them; W64's prefill steps took 11.3 s instead of 12.4 on a 2-core AMD EPYC,
+2026-11-23); and about 25 Python dispatches per layer.
 
-- matmuls in the layout the weights were stored in. oneDNN, the CPU matmul library inductor calls, runs fp32
-  GEMMs up to 1.6× faster (2× for small batches) on weights reordered once into its blocked layout. Inductor's
-  *freezing* treats the weights as constants, so it can reorder (pre-pack) them at compile time;
-- elementwise work launched op by op (RMSNorm's five ops, RoPE's seven, SiLU × up, the residual adds), each a
-  pass over memory. Inductor fuses each run of them into one C++ loop;
-- matmuls that could be one: q_proj, k_proj and v_proj read the same input, as do gate_proj and up_proj.
-  k_proj and v_proj are narrow (SmolLM2: 576 -> 192), and a narrow GEMM wastes most of a CPU's vector width;
-  with *concat linear*, inductor joins each such set into one wider GEMM on the concatenated frozen weights
-  (vLLM stores them joined from the start: `QKVParallelLinear`, `MergedColumnParallelLinear`). Measured on a
-  2-core AMD EPYC (2026-11-23), W64's prefill steps took 11.3 s instead of 12.4;
-- Python: about 25 ops per layer dispatched one by one.
+The compiler must not see the attention backend: a new Python object every step, holding the step's metadata as
+lists, which tracing would bake into the graph. So, as vLLM does, the model gets a stand-in whose `forward` is a
+custom op, `paged_attention::attention`, that looks up the step's real backend in a *forward context* set around
+the call; the graph holds every layer, embedding to logits, with 30 opaque calls.
 
-What the compiler must not see is the attention backend: it is a new Python object every step, holding the
-step's metadata as lists, and tracing it would bake one step's batch into the graph. So, as vLLM does, the
-model is given a stand-in backend whose `forward` is a custom op, `paged_attention::attention`; the op looks
-up the step's real backend in a *forward context* set around the call, and the compiler treats it as a black
-box with a known output shape. The graph then holds every layer, embedding to logits, with 30 opaque calls.
-
-Shapes: T (tokens) and B (sequences sampled from) change every step. The graph is compiled with dynamic sizes,
-once for all T and B, except that PyTorch specialises a size of 1; a step of one token (one sequence decoding)
-is padded to two rows, so that one compile serves every step. The padding row's attention output is zero and
-its K/V are never stored (the op hands the backend the real rows only).
+T (tokens) and B (sequences sampled from) change every step, so the graph is compiled with dynamic sizes once;
+PyTorch specialises a size of 1, so a one-token step is padded to two rows (the padding row's K/V are never
+stored: the op hands the backend the real rows only).
 
 Where this lives in vLLM: `vllm/compilation/` (its `@support_torch_compile` decorator and backend),
 `vllm/forward_context.py`, and `unified_attention` (the custom op) in

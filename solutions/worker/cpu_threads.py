@@ -1,39 +1,27 @@
 """How many threads the CPU forward pass uses: the cores this process can really get, step by step.
 
-torch runs a matmul or an attention call as one OpenMP parallel region: the work is split over its threads and
-every thread waits at the end for the slowest. On a machine shared with other work that is the trap. With two
-threads on two cores and one busy process beside them, one thread shares its core with the busy process and runs
-half the time; the other finishes its half, then waits at the barrier, so each region takes at least twice as
-long, and far longer when the waiting thread spins and the scheduler's time slices line up badly. Measured on a
-2-core Intel Xeon, 2026-11-27 (issue 41): one 32-token request through the server took 1.25–1.39 s alone and
-9.1–25.4 s beside one busy-loop process pinned to a core (14.6×, medians of three alternating pairs); with one
-thread, 2.1 s. A thread the process cannot get is worse than no thread.
+torch runs a matmul as one OpenMP parallel region, and every thread waits at its end for the slowest. So a thread
+whose core another process keeps busy holds up all the others: on a 2-core Intel Xeon (2026-11-27, issue 41) one
+32-token request took 1.25–1.39 s alone, 9.1–25.4 s beside one busy-loop process pinned to a core (14.6×), and
+2.1 s there with one thread. A thread the process cannot get is worse than no thread.
 
 So the engine sizes its threads from what it can get, and keeps checking:
-- the CPUs it may run on: its affinity mask (`taskset`, a container's cpuset), capped by a cgroup CPU quota
-  (`cpu.max`: 150000/100000 allows 1.5 CPUs' worth of time, so at most 1 thread that never waits for quota);
-- what other processes use of those CPUs, from `/proc/stat` (busy time of those CPUs) less this process's own CPU
-  time (`/proc/self/stat`), averaged over about a second; a core that others keep at least 40% busy is not
-  counted, so two threads become one beside one busy process and two again when it ends. (40%, not more: while
-  two threads run, a busy neighbour gets only about half of the core it shares with one of them.)
-- the step clock, because load alone misreads a server's own company. Its front end, and a client on the same
-  machine, are "other processes" too: in a light phase they keep a core 40% busy and a thread is dropped; in a heavy
-  phase the freed core is theirs and they stay above the line, so the thread never comes back, though two threads
-  would run the steps faster (measured on a 2-core AMD EPYC, 2026-11-27: 300-318 output tok/s under vLLM's client
-  at 8 req/s after a run at 2 req/s, against 482 with two fixed threads). So every few seconds a *probe* runs
-  `PROBE_PAIRS` steps at the other count (one fewer at the limit, else one more) in turns with as many at the
-  current one, and keeps whichever costs less per token (by `PROBE_MARGIN`). A probe step far costlier than usual
-  (a thread's core is busy) ends the probe at once, so a probe costs one slow step at most. A count a probe chose
-  holds until the load moves by a core's worth (`BUSY_CORE`) from what it was: a new busy neighbour still drops
-  a thread at the next sample, not the next probe.
+- the CPUs it may run on: its affinity mask (`taskset`, a cpuset), capped by a cgroup CPU quota (`cpu.max`);
+- what other processes use of them: `/proc/stat` less this process's own time (`/proc/self/stat`), over about a
+  second; a core others keep at least 40% busy is not counted (a busy neighbour sharing a core with one of our
+  threads gets only about half of it);
+- the step clock, because a server's own front end and a local client count as "other processes" too, and load
+  alone would drop a thread for good once they are busy (measured on a 2-core AMD EPYC: 300-318 output tok/s
+  against 482 with two fixed threads). Every few seconds a *probe* runs `PROBE_PAIRS` steps at the other count in
+  turns with as many at the current one and keeps the cheaper per token (by `PROBE_MARGIN`); a far costlier step
+  ends it at once. A probe's choice holds until the load moves by a core's worth (`BUSY_CORE`).
 
-`cpu_threads=N` (the `--cpu-threads` flag) fixes the count instead, as `VLLM_CPU_OMP_THREADS_BIND` and
-`OMP_NUM_THREADS` do for vLLM's CPU worker; `cpu_threads=None` (the default) is the adaptive policy above. Where
-`/proc` is missing (not Linux) the policy keeps torch's default. On a GPU nothing here applies.
+`cpu_threads=N` (`--cpu-threads`) fixes the count instead, as `VLLM_CPU_OMP_THREADS_BIND` and `OMP_NUM_THREADS` do
+for vLLM's CPU worker. Without `/proc` (not Linux) torch's default stays; on a GPU nothing here applies.
 
 Where this lives in vLLM: `vllm/v1/worker/cpu_worker.py` (`CPUWorker.init_device` binds one OpenMP thread per core
-of `VLLM_CPU_OMP_THREADS_BIND`, "auto" meaning the cores of one NUMA node; `VLLM_CPU_NUM_OF_RESERVED_CPU` leaves
-some to the front end). vLLM binds and sizes once, at start-up; it does not adapt to other processes.
+of `VLLM_CPU_OMP_THREADS_BIND`; `VLLM_CPU_NUM_OF_RESERVED_CPU` leaves some to the front end), sized once at
+start-up, not adapting to other processes.
 """
 
 import math
@@ -112,12 +100,10 @@ def threads_for(others: float, limit: int) -> int:
 
 
 class CpuThreadPolicy:
-    """Sets torch's intra-op threads before each step: `fixed` threads, or (None) the count the machine's load
-    suggests (`threads_for`, sampled every `SAMPLE_SECONDS`) put to the test of the step clock (a probe every
-    `PROBE_EVERY` seconds). An `OMP_NUM_THREADS` in the environment is a fixed count too (the user's choice, as for
-    any OpenMP program); `restore()` gives the process its count back.
-
-    The executor calls `before_step()` before each forward pass and `after_step()` with its time after it."""
+    """Sets torch's intra-op threads before each step (`before_step()`; `after_step()` gets the step's time): `fixed`
+    threads (an `OMP_NUM_THREADS` in the environment counts as fixed), or the count the load suggests (`threads_for`,
+    sampled every `SAMPLE_SECONDS`) tested by the step clock every `PROBE_EVERY` seconds. `restore()` gives the
+    process its count back."""
 
     def __init__(self, fixed: int | None = None) -> None:
         self.initial = torch.get_num_threads()

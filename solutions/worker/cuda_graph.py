@@ -1,30 +1,19 @@
 """Decode steps as CUDA graphs: record a decode step's kernel launches once per batch size, then replay them.
 
-A decode step of a small model is launch-bound: 30 layers × a dozen kernels each, every one a few microseconds
-of GPU work behind a few microseconds of Python and driver overhead. A CUDA graph records the whole sequence of
-launches once, with the addresses of its inputs and outputs, and replays it with one call. The price is that
-everything a graph touches is fixed at capture: the tensors (so the step's inputs are copied into static buffers
-first), their shapes (so one graph per batch size), and any decision taken on the host (so nothing may be read
-back from the device inside the forward pass).
+A small model's decode step is launch-bound: 30 layers × a dozen kernels, each a few microseconds of GPU work
+behind as much Python and driver overhead. A graph records the launches once and replays them with one call, but
+everything it touches is fixed at capture: the tensors (inputs are copied into static buffers), their shapes (one
+graph per batch size) and host decisions (nothing is read back inside the forward pass). So, as vLLM and
+nano-vllm do:
 
-So, as vLLM and nano-vllm do:
-
-- sizes: graphs are captured for batch sizes 1, 2, 4, 8, ... up to `max_num_seqs` (and `max_num_seqs` itself);
-  a step of B sequences replays the smallest captured size N >= B, its inputs padded to N rows;
-- padding rows: token 0 at position 0, slot -1 (`PAD_SLOT_ID`: the store kernel writes nothing, so a padding row
-  never touches the cache), seq_len 1 and a block table row of zeros (it reads the first slot of block 0: finite,
-  since the pools are zeroed at allocation and only ever hold real keys and values; its output row is dropped);
-- block tables are `max_model_len / block_size` wide, the widest any sequence can need, so one graph serves every
-  context length (the decode kernel reads only `seq_lens[b]` positions of each row);
-- only pure-decode steps: a prefill's query length varies, so prefills and mixed steps run eagerly, as do
-  decode steps larger than the largest graph. `enforce_eager=True` turns graphs off; on the CPU there are none.
-- only the Triton backend: its launches read their metadata from device tensors. The torch backend's batched
-  gather would copy every sequence's context out of the cache at the graph's fixed, maximal width.
-- what is captured: the runner's forward callable, the compiled forward pass when there is one
-  (`compiled_forward.py`: norms, rotary, SwiGLU and residuals fused by inductor into a few Triton kernels a layer,
-  attention an opaque op calling the Triton backend), the eager model otherwise; the LM head included either way,
-  so a graph's output is the rows' logits.
-  A graph replays kernels, not Python: it cannot shorten a long chain of tiny kernels, only the time between them.
+- sizes 1, 2, 4, 8, ... up to `max_num_seqs` (and it); B sequences replay the smallest size N >= B, padded;
+- a padding row is token 0 at position 0, slot -1 (`PAD_SLOT_ID`: never stored), seq_len 1 and a block table row
+  of zeros (it reads block 0's first slot, finite since pools are zeroed; its output row is dropped);
+- block tables are `max_model_len / block_size` wide, so one graph serves every context length;
+- only pure-decode steps with the Triton backend (its launches read metadata from device tensors); prefills, mixed
+  and larger steps run eagerly, as does everything with `enforce_eager=True` or on the CPU;
+- what is captured is the runner's forward callable (the compiled forward pass when there is one,
+  `compiled_forward.py`), the LM head included, so a graph's output is the rows' logits.
 
 Where this lives in vLLM: `vllm/v1/worker/gpu_model_runner.py` (`capture_model`, `_dummy_run`), the sizes in
 `vllm/config` (`cudagraph_capture_sizes`); nano-vllm: `ModelRunner.capture_cudagraph`.
@@ -48,11 +37,8 @@ PAD_SLOT_ID = -1  # a padding token's slot: the store kernel skips it
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    """The batch sizes that get a graph: powers of two below `max_num_seqs`, then `max_num_seqs` itself.
-
-    Padding a batch to the next size at most doubles its rows, and a decode step of a small model costs about
-    the same for 33 rows as for 64 (it is bound by launches and by reading the weights, not by rows).
-    """
+    """The batch sizes that get a graph: powers of two below `max_num_seqs`, then `max_num_seqs` itself. Padding at
+    most doubles a batch's rows, which a small model's launch-bound decode step barely notices."""
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
     sizes = [1]
@@ -108,14 +94,10 @@ def pad_decode_batch(
 
 
 class CUDAGraphRunner:
-    """The decode forward pass over static buffers, one captured graph per batch size in `capture_sizes`.
-
-    `capture=False` keeps the same static-buffer path without graphs: every step then runs the padded forward
-    eagerly. That is how the CPU tests check the padding (tokens unchanged, the cache untouched by padding rows)
-    where CUDA is absent; on a GPU `ModelRunner` always captures. The graphs hold the runner's one forward callable,
-    `forward_logits` (the compiled forward pass and the LM head, or the eager model and its head): `run` returns
-    logits.
-    """
+    """The decode forward pass over static buffers, one captured graph per batch size in `capture_sizes`; `run` returns
+    the logits of the runner's one forward callable, `forward_logits`. `capture=False` runs the same padded path
+    eagerly, without graphs: how the CPU tests check the padding (tokens unchanged, the cache untouched by padding
+    rows); on a GPU `ModelRunner` always captures."""
 
     def __init__(
         self, model: LlamaForCausalLM, kv_cache: KVCache, max_num_seqs: int, max_model_len: int, block_size: int,

@@ -1,36 +1,24 @@
 """Turn one scheduled step into one flat forward pass, then sample the step's tokens from its logits.
 
-The step's tokens — whole prompts, prompt chunks and single decode tokens alike — are concatenated into one
-flat batch of T tokens, with per-token metadata (position, cache slot) and per-sequence metadata (where its
-rows start, its context length, its block table). No padding to the longest sequence: every row is a real
-token. For sequence b the new tokens are `token_ids[c_b : c_b + n_b]`, where `c_b` is the step's
-`num_computed_tokens[b]`: where they start, kept by the scheduler, which has already advanced the sequence.
-
-The metadata is built on the host; `execute_model` runs where the model's weights are (CPU or GPU, in their
-dtype): the KV cache is allocated there, token ids and positions are copied there, and the attention backend
-copies the metadata it indexes with. On a GPU with the Triton backend, pure-decode steps replay CUDA graphs
-(`solutions/worker/cuda_graph.py`) unless `enforce_eager`; on the CPU with the inductor backend, every step runs
-one compiled graph (`solutions/worker/compiled_forward.py`), compiled at start-up, unless `enforce_eager`.
+The step's tokens (whole prompts, prompt chunks and single decode tokens alike) are concatenated into one flat
+batch of T tokens, with per-token metadata (position, cache slot) and per-sequence metadata (where its rows start,
+its context length, its block table); no padding. Sequence b's new tokens are `token_ids[c_b : c_b + n_b]`, where
+`c_b` is the step's `num_computed_tokens[b]`, kept by the scheduler. The metadata is built on the host and copied
+to where the weights and the KV cache are. Unless `enforce_eager`, pure-decode steps on a GPU with the Triton
+backend replay CUDA graphs (`cuda_graph.py`) and the CPU's inductor backend runs one compiled graph
+(`compiled_forward.py`).
 
 The runner samples too, as vLLM's does: `execute_model` keeps the logits of the rows that sample
-(`sampling_rows`), and `sample_tokens` masks them by the step's grammars, draws one token per sampling sequence
-with its own parameters and generator, and returns token ids — the engine core never touches logits.
+(`sampling_rows`), and `sample_tokens` masks them by the step's grammars and draws one token per sampling sequence
+with its own parameters and generator — the engine core never touches logits. A request with `prompt_logprobs`
+also runs the LM head on its prompt chunk's rows (the logits at position i score prompt token i + 1); its prompt
+is never read from the prefix cache (`skip_reading_prefix_cache`, as vLLM), so every position is computed here.
 
-A request with `prompt_logprobs` also needs the logits at its prompt positions: the logits at position i give the
-logprob of prompt token i + 1. In each step that computes a chunk of its prompt, the LM head also runs on the
-chunk's rows (only on those, and only for such requests), and `sample_tokens` returns that chunk's logprobs; the
-front end puts the chunks together. Its prompt is never read from the prefix cache
-(`SamplingParams.skip_reading_prefix_cache`, as vLLM), so every prompt position is computed here.
-
-Speculative decoding (`SpeculativeConfig`): a sequence with k draft tokens in the step
-(`scheduled_spec_decode_tokens`) is fed its newest token and its drafts, and the LM head runs on all k + 1 of its
-rows: row j scores draft j, the last row the token after them. `sample_tokens` then verifies the whole batch with
-`rejection_sample` (a sequence without drafts is an ordinary sample in it), after each row's logit bias and
-penalties over the tokens before that row (drafts included), and gives each sequence its accepted drafts and one
-more token, with the target's logprobs. After sampling, the proposer (`solutions.spec_decode.Proposer`: n-gram
-lookup, or the target's own first layers) drafts each sequence's next tokens from its tokens after this step; the
-engine core takes them (`take_draft_token_ids`) and hands them to the scheduler for the next step. A step without
-drafts samples as without speculation.
+Speculative decoding: a sequence with k drafts (`scheduled_spec_decode_tokens`) is fed its newest token and its
+drafts, and the LM head runs on all k + 1 rows (row j scores draft j). `sample_tokens` verifies the whole batch
+with `rejection_sample`, after each row's logit bias and penalties over the tokens before it, and gives each
+sequence its accepted drafts and one more token. Then the proposer (`solutions.spec_decode.Proposer`) drafts the
+next tokens, which the engine core takes (`take_draft_token_ids`) for the scheduler's next step.
 
 Where this lives in vLLM: `vllm/v1/worker/gpu_model_runner.py` (`_prepare_inputs`, `execute_model`,
 `sample_tokens`, `propose_draft_token_ids`, `take_draft_token_ids`).
@@ -158,13 +146,10 @@ def build_drafter(model: LlamaForCausalLM, config: SpeculativeConfig) -> Propose
 
 
 class ModelRunner:
-    """Owns the model and the paged KV cache (on the model's device, in its dtype); one `execute_model` call is
-    one forward pass.
-
-    The forward pass is compiled (`self.compiled_forward`) unless `enforce_eager`, on the devices the attention
-    backend's class names (`compiles_on`): with "inductor" on the CPU, with "triton" on a GPU. On a GPU, CUDA
-    graphs of the compiled forward are captured for pure-decode steps when the largest batch (`max_num_seqs`) and
-    context (`max_model_len`) are given; `self.cuda_graphs` is None otherwise.
+    """Owns the model and the paged KV cache (on the model's device, in its dtype); one `execute_model` call is one
+    forward pass. Unless `enforce_eager`, the forward pass is compiled (`self.compiled_forward`) on the devices the
+    attention backend names (`compiles_on`), and on a GPU CUDA graphs of it are captured for pure-decode steps when
+    `max_num_seqs` and `max_model_len` are given (`self.cuda_graphs`, else None).
     """
 
     def __init__(
@@ -380,9 +365,8 @@ class ModelRunner:
 
     def warm_up(self) -> None:
         """Compile before the first request, as vLLM does at start-up: a step with a prefill of two tokens beside a
-        prefill of one (T != B, so the graph does not tie the two sizes), then a decode step, which compiles the
-        in-place decode attention. The dummy tokens are written to the first slots
-        of block 0, a free block: whatever a free block holds is overwritten before it is read."""
+        prefill of one (T != B, so the graph does not tie the two sizes), then a decode step. The dummy tokens go to the
+        first slots of block 0, a free block, whose contents are overwritten before they are read."""
         steps = [  # (token slots, query_start_loc, seq_lens, block tables)
             ([0, 1, 16], [0, 2, 3], [2, 1], [[0], [1]]),
             ([2, 17], [0, 1, 2], [3, 2], [[0], [1]]),

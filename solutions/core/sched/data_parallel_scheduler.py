@@ -1,28 +1,21 @@
 """Data parallelism: one scheduler over N model replicas, one KV block pool each.
 
-Each replica is a whole engine's worth of capacity, as in vLLM: its own `max_num_seqs`, its own token budget per
-step, its own pool of `num_kv_blocks` blocks. So each replica's step is decided by the rule chapter 5 wrote, a
-`Scheduler` over that replica's `KVCacheManager` (`replicas[r]`: running sequences, preemption within its pool,
-swapping to its host pool, forks of `n > 1` requests), and this scheduler adds the decisions only it can make,
-because only it sees every pool:
+Each replica is a whole engine's worth of capacity (its own `max_num_seqs`, token budget and pool), so its step is
+decided by chapter 5's rule, a `Scheduler` over its own `KVCacheManager` (`replicas[r]`). This scheduler adds what
+only a view of every pool can decide:
 
-- placement: a new sequence waits here, unplaced, until some replica can take it now (a seat for it and the samples
-  it will fork, and free blocks for its first chunk beyond what the replica's queue already needs); then the
-  placement policy (`placement.py`) picks one and the sequence joins that replica's queue, for life;
-- a dead replica (`drop_replica`): its pool is marked gone and every sequence it had — running, waiting, swapped —
-  comes back here, at the front, to be recomputed elsewhere from its tokens (as preemption by recompute does);
-- replicas that step on their own: a replica is scheduled again as soon as its last step's tokens are back
-  (`in_flight` holds the steps still running), so one replica's long prefill never holds up another's decodes;
-  each engine step merges the steps it starts (`DataParallelSchedulerOutput`) and takes back whichever came back
-  (`DataParallelModelRunnerOutput`), the stats summed.
+- placement: a new sequence waits here until some replica can take it now (a seat for it and its forks, free
+  blocks for its first chunk); the policy (`placement.py`) picks one, and the sequence stays there for life;
+- a dead replica (`drop_replica`): every sequence it had comes back here, at the front, to be recomputed elsewhere;
+- replicas step on their own: one is scheduled again as soon as its last step is back (`in_flight`), so a long
+  prefill never holds up another's decodes; each engine step merges the steps it starts
+  (`DataParallelSchedulerOutput`) and takes back whichever came back (`DataParallelModelRunnerOutput`).
 
 Where this lives in vLLM (read 2026-12-03, stored copy at commit 00080ee): `vllm/v1/engine/core_client.py`
-(`DPLBAsyncMPClient`: N engine cores, each with its own `Scheduler`; the front end picks one per request at arrival,
-by a load score from each engine's running and waiting counts and KV cache usage, `placement.ReplicaState.load`).
-A dense model's ranks step on their own, as ours do; only a MoE model's ranks run `DPEngineCoreProc`
-(`vllm/v1/engine/core.py`, which asserts `model_config.is_moe`), stepping together, an idle rank running dummy
-batches. SGLang's router (`sgl-model-gateway`) does the same in front of N servers, by an approximate prefix match.
-Here the choice is made at admission, one scheduler seeing every pool's hashes.
+(`DPLBAsyncMPClient`: N engine cores, each with its own `Scheduler`, one picked per request at arrival by a load
+score, `placement.ReplicaState.load`). Only a MoE model's ranks step together (`DPEngineCoreProc`). SGLang's router
+(`sgl-model-gateway`) does the same in front of N servers, by an approximate prefix match. Here the choice is made
+at admission, one scheduler seeing every pool's hashes.
 """
 
 import logging
@@ -85,11 +78,8 @@ class DataParallelModelRunnerOutput:
 
 class DataParallelScheduler:
     """Places sequences on replicas and runs each replica's `Scheduler`; the engine core's verbs, as `Scheduler`'s.
-
     Invariants: an unplaced sequence (`replica` None) is in `waiting` and holds no block; a placed one is in its
-    replica's queues and holds blocks of its pool only; `requests` is shared with every replica (one record of each
-    request's samples, wherever they run).
-    """
+    replica's queues and holds blocks of its pool only; `requests` is shared with every replica."""
 
     def __init__(self, replicas: list[Scheduler], placement: PlacementPolicy, policy: SchedulingPolicy) -> None:
         self.replicas = replicas

@@ -29,16 +29,13 @@ PER_POOL = {"per_pool": True}  # a field of block ids: they mean something in th
 class SchedulerOutput:
     """The step's batch, in batch order, and the bookkeeping around it.
 
-    Sequence `scheduled_seqs[i]` computes `num_scheduled_tokens[i]` tokens this step, starting at position
-    `num_computed_tokens[i]`: its whole prompt, a chunk of it, or one decode token — followed, with speculative
-    decoding, by its draft tokens `scheduled_spec_decode_tokens[seq_id]` (not yet in the sequence's own tokens,
-    so the step's input ids are its tokens from that position, then its drafts). The scheduler has already
-    advanced the sequence itself past these tokens when `schedule()` returns (vLLM's `_update_after_schedule`),
-    so where the step's tokens start is read here, never from the sequence. Left out, `num_computed_tokens` is
-    taken from the sequences as they are when the output is made (a loop without a scheduler, as chapter 3's).
-    The model runner applies `blocks_to_copy` (copy-on-write, source → destination block) to every layer before
-    the forward pass. A sequence whose tokens are all computed after this step samples from its logits row, and
-    so do the samples forked from it this step (`forked_seqs`, an `n > 1` request whose prompt just completed).
+    Sequence `scheduled_seqs[i]` computes `num_scheduled_tokens[i]` tokens this step from position
+    `num_computed_tokens[i]` (a prompt, a chunk of it, or one decode token), followed, with speculative decoding, by
+    its drafts `scheduled_spec_decode_tokens[seq_id]`. The scheduler has already advanced the sequence itself when
+    `schedule()` returns, so where the step's tokens start is read here, never from the sequence (left out, it is
+    taken from the sequences as they are, for a loop without a scheduler, as chapter 3's). The runner applies
+    `blocks_to_copy` (copy-on-write) before the forward pass. A sequence whose tokens are all computed after this step
+    samples from its logits row, as do the samples forked from it this step (`forked_seqs`).
     """
 
     scheduled_seqs: list[Sequence] = field(default_factory=list)

@@ -1,30 +1,25 @@
 """Data parallelism: which replica a new sequence runs on, decided once, when it is first admitted.
 
-Every replica holds the whole model and a KV block pool of its own, so a sequence placed on replica r computes
-there, keeps its blocks there, and finds in the prefix cache only what r's pool holds. Placement trades two things:
-load (an idle replica next to a queue wastes a whole model's worth of compute) and cache (a prompt whose prefix one
-pool holds skips that prefill there, and nowhere else). Four policies answer the same question, `place(seq,
-replicas)`, from the replicas' state at that moment (`ReplicaState`):
+A sequence placed on replica r computes there, keeps its blocks there, and finds in the prefix cache only what r's
+pool holds. Placement trades load (an idle replica beside a queue wastes a model's worth of compute) against cache
+(a prefix one pool holds skips its prefill there only). Four policies answer `place(seq, replicas)` from the
+replicas' state (`ReplicaState`):
 
     round_robin    replica 0, 1, ..., N - 1, 0, ...: neither load nor cache
-    least_loaded   the smallest `ReplicaState.load`, vLLM's score for its data-parallel engines: running + waiting,
-                   a waiting request weighing more as its pool fills past half (see `ReplicaState.load`); ties
-                   rotate, as vLLM's scan start does
-    prefix         the pool holding the longest run of the prompt's leading full blocks (exact: their hashes are
-                   looked up in each pool), among replicas whose load is within `load_cap` of the least loaded, so
-                   one hot prefix cannot pile every request onto one replica; ties and near-ties (within
-                   `near_tie_blocks` blocks of the best) go to the least loaded
-    approx_prefix  SGLang's cache-aware routing: an approximate tree of the prompts each replica was sent (never
-                   told what the pool evicted); past a match threshold, the best match, else the least loaded; and
-                   the least loaded whatever the match while the loads are out of balance
+    least_loaded   the smallest `ReplicaState.load`, vLLM's score (running + waiting, a waiting request weighing
+                   more as its pool fills past half); ties rotate, as vLLM's scan start does
+    prefix         the pool holding the longest run of the prompt's leading full blocks (their hashes looked up in
+                   each pool), among replicas within `load_cap` of the least loaded; ties and near-ties (within
+                   `near_tie_blocks`) go to the least loaded
+    approx_prefix  SGLang's cache-aware routing: an approximate tree of the prompts each replica was sent; past a
+                   match threshold the best match, else (and while loads are out of balance) the least loaded
 
 Where this lives in vLLM (read 2026-12-03, stored copy at commit 00080ee): `vllm/v1/engine/core_client.py`,
-`DPLBAsyncMPClient.get_core_engine_for_request`, the load score. vLLM places a request when it arrives, on one of N
-engine cores, each with its own scheduler and KV cache, and looks at no cache. In SGLang (read 2026-12-03): the
-cache-aware policy of its router, `sgl-router/src/policies/cache_aware.rs` (stored copy at 026f853; its `tree.rs`
-the approximate radix tree of request text; we store token ids, so "characters" are tokens here), renamed
-`sgl-model-gateway/src/policies/cache_aware.rs` by PR #14312 (2025-12-02; stored copy at b93974f). Our scheduler
-places at admission, with every pool's hashes in hand, so the `prefix` policy needs no approximation.
+`DPLBAsyncMPClient.get_core_engine_for_request`, the load score; vLLM places a request on arrival and looks at no
+cache. In SGLang: its router's `sgl-router/src/policies/cache_aware.rs` (stored copy at 026f853; `tree.rs` the
+approximate radix tree of request text, of token ids here), renamed `sgl-model-gateway/src/policies/cache_aware.rs`
+by PR #14312 (stored copy at b93974f). Our scheduler places at admission with every pool's hashes in hand, so
+`prefix` needs no approximation.
 """
 
 from abc import ABC, abstractmethod
@@ -52,33 +47,21 @@ class ReplicaState:
 
     @property
     def kv_cache_usage(self) -> float:
-        """The share of its pool in use, `1 - num_free_blocks / num_blocks`, as vLLM's `BlockPool.get_usage`
-        (`vllm/v1/core/block_pool.py`; vLLM also leaves its null block out, and we have none). 0.0 where
-        `num_blocks` is not given: no KV pressure is counted for a state built without its pool's size."""
+        """The share of its pool in use, `1 - num_free_blocks / num_blocks`, as vLLM's `BlockPool.get_usage`; 0.0 (no KV
+        pressure) for a state built without its pool's size."""
         if self.num_blocks is None:
             return 0.0
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     @property
     def load(self) -> float:
-        """vLLM's load score of a data-parallel engine, as far as one scheduler has its inputs:
-        `running + waiting + waiting * 6 * max(0, kv_cache_usage - 0.5)`.
+        """vLLM's load score of a data-parallel engine: `running + waiting + waiting * 6 * max(0, usage - 0.5)`.
 
-        vLLM (`vllm/v1/engine/core_client.py`, `DPLBAsyncMPClient.get_core_engine_for_request`, read 2026-12-03 at
-        commit 00080ee; since PR #49204, opened 2026-07-20 and merged) scores an engine
-        `max(client_count * inflight, waiting + running)`, plus `waiting * 6.0 * max(0.0, kv_cache_usage - 0.5)`
-        when it has waiting requests: a queue on an engine whose KV cache is more than half full drains slowly, so
-        each waiting request weighs from 1 (at 50% usage or less) up to 4 (a full pool). Before that PR the score
-        was `waiting * 4 + running` (the score this course used until 2026-12-03).
-
-        `inflight` is the front-end process's own count of its unfinished requests on that engine, and
-        `client_count` the number of front-end (API server) processes: their product estimates what every
-        front end has sent there, a floor that a stale snapshot of `waiting + running` (the engines publish their
-        counts through a coordinator, which broadcasts them about every 100 ms) cannot erase. Here there is one
-        front end and no snapshot: the scheduler reads each replica's queues when it places, so what it has in
-        flight on a replica is exactly what runs and waits there (its swapped sequences aside, which vLLM v1,
-        preempting by recompute into `waiting`, has no counterpart of, and which neither score counts). The floor
-        never exceeds the counts, so that term has no meaning here and is left out.
+        A queue on an engine whose KV cache is more than half full drains slowly, so each waiting request weighs from 1
+        (at 50% usage or less) up to 4 (a full pool). vLLM (`DPLBAsyncMPClient.get_core_engine_for_request`, read
+        2026-12-03 at commit 00080ee, since PR #49204; before it `waiting * 4 + running`) also takes the max with
+        `client_count * inflight`, a floor against its engines' stale ~100 ms snapshots; here the scheduler reads each
+        replica's queues when it places, so that floor never exceeds the counts and is left out.
         """
         pressure = max(0.0, self.kv_cache_usage - 0.5)
         return self.num_running + self.num_waiting + self.num_waiting * 6 * pressure
@@ -106,12 +89,8 @@ class RoundRobinPolicy(PlacementPolicy):
 
 
 class LeastLoadedPolicy(PlacementPolicy):
-    """The smallest load score; ties to the first met in a scan that starts one replica further at every placement.
-
-    vLLM scans its engines from `eng_start_index` and keeps the first strict minimum, then moves the start on by one
-    (PR #47420, opened 2026-07-02 and merged): equal scores, common right after a fresh snapshot or while queues are
-    short, are then spread in turn instead of always going to the same engine.
-    """
+    """The smallest load score; ties to the first met in a scan that starts one replica further at every placement,
+    as vLLM's `eng_start_index` does (PR #47420), so equal scores are spread in turn."""
 
     def __init__(self, num_replicas: int) -> None:
         if num_replicas < 1:
@@ -206,14 +185,9 @@ class ApproxPrefixPolicy(PlacementPolicy):
     else the least loaded. The prompt then joins the chosen replica's tree. A replica's load here is its running
     and waiting sequences (SGLang's router reads `Worker::load()`).
 
-    What SGLang does below the threshold moved (read 2026-12-03): `sgl-router/src/policies/cache_aware.rs` (stored
-    copy at 026f853) sends the request to the smallest tree (`tree.get_smallest_tenant()`); in
-    `sgl-model-gateway/src/policies/cache_aware.rs` (stored copy at b93974f) it goes to the least loaded healthy
-    worker (PR #14650, "pick min load instead of min tenant size", opened 2025-12-08 and merged), as here. The
-    defaults are those `sgl-model-gateway/bindings/python/sglang_router/router_args.py` gives a user (stored copy at
-    0c02081): `cache_threshold` 0.3, `balance_abs_threshold` 64, `balance_rel_threshold` 1.5. (sgl-router's Rust
-    `CacheAwareConfig::default`, `sgl-router/src/policies/mod.rs` at 08fc574, had 0.5, 32 and 1.1; this course had
-    0.5, 32 and 1.0001 until 2026-12-03.)"""
+    Below the threshold, `sgl-model-gateway/src/policies/cache_aware.rs` (stored copy at b93974f) picks the least
+    loaded healthy worker since PR #14650 (the older `sgl-router` picked the smallest tree). The defaults are those
+    `sgl-model-gateway/bindings/python/sglang_router/router_args.py` gives a user (stored copy at 0c02081)."""
 
     def __init__(
         self, num_replicas: int, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,

@@ -1,49 +1,35 @@
 """The scheduler: which sequences compute how many tokens this step, under one token budget.
 
 There is no prefill phase and decode phase. Every sequence has `num_tokens` tokens, of which
-`num_computed_tokens` already have K/V in the cache; a step lets some of them catch up. A decoding sequence is
-one token behind, a new one is its whole prompt behind, a preempted one everything behind. So one rule serves
-all: give each sequence `min(tokens behind, budget left, long_prefill_token_threshold)` tokens, running
-sequences first (in the order they started), then waiting ones in the queue's order. A long prompt is thus
-prefilled in chunks over several steps while the running sequences keep decoding beside it (chunked prefill).
+`num_computed_tokens` already have K/V in the cache; a step lets some of them catch up (a decoding sequence is one
+token behind, a new one its whole prompt, a preempted one everything). So one rule serves all: give each sequence
+`min(tokens behind, budget left, long_prefill_token_threshold)` tokens, running sequences first (in the order they
+started), then waiting ones in the queue's order. A long prompt is thus prefilled in chunks while the running
+sequences keep decoding beside it (chunked prefill).
 
 When the KV cache manager has no block for a running sequence, the scheduler preempts by recompute
-(`allocate_or_preempt`): `select_victim` names the running sequence that gives its memory up — the last to start
-running (FCFS), or the lowest priority, latest arrival (PRIORITY) — which leaves the step's batch if it was in
-(returning its tokens to the budget), frees its blocks, resets to 0 computed tokens and goes back to the front of
-the waiting queue; its tokens are kept, so it resumes exactly where it was (prefix caching usually finds most of
-its blocks still there). It repeats until the allocation succeeds or the victim is the sequence itself. No waiting
-sequence is admitted in a step that preempted. Chapter 11's `SwappingScheduler` (`swapping_scheduler.py`) may swap
-a victim's group out instead; it chooses the victim with the same `select_victim`. With the prefix cache's host
-tier (`kv_offloading_size`), an admitted sequence's lookup continues on the host after the device's hits, and the
-blocks found there are loaded instead of computed (the copies travel in the `SchedulerOutput`, made by the runner
-before the forward pass).
+(`allocate_or_preempt`): `select_victim` names the sequence that gives its memory up — the last to start running
+(FCFS), or the lowest priority, latest arrival (PRIORITY) — which leaves the step's batch, frees its blocks, resets
+to 0 computed tokens and goes back to the front of the waiting queue with its tokens kept. It repeats until the
+allocation succeeds or the victim is the sequence itself; no waiting sequence is admitted in a step that preempted.
+Chapter 11's `SwappingScheduler` may swap a victim's group out instead. With the prefix cache's host tier
+(`kv_offloading_size`), blocks an admitted sequence finds on the host are loaded instead of computed.
 
-The scheduler is the one writer of a sequence's progress. When the batch is decided, `_update_after_schedule`
-advances every scheduled sequence's `num_computed_tokens` past its scheduled tokens (the step's
-`SchedulerOutput` keeps where they start), and forks the samples of an `n > 1` request whose prompt this step
-completes: they share its blocks and sample from its logits row. So the batch and the running set never change
-after `schedule()` returns, and `max_num_seqs` counts those samples from the moment their request is admitted.
+The scheduler is the one writer of a sequence's progress: `_update_after_schedule` advances every scheduled
+sequence's `num_computed_tokens` (the `SchedulerOutput` keeps where they start) and forks the samples of an `n > 1`
+request whose prompt this step completes, so the batch never changes after `schedule()` returns. After the forward
+pass, `update_from_output` appends each sampled token, advances its grammar, checks the stop conditions, frees what
+finished, and answers with one `EngineCoreOutput` per sample and the step's `SchedulerStats`.
 
-After the forward pass, `update_from_output` takes the runner's sampled tokens back: it appends each to its
-sequence, advances its grammar, checks the stop conditions, frees what finished, and answers the front end with
-one `EngineCoreOutput` per sample and the step's `SchedulerStats`.
+Speculative decoding: a decoding sequence with drafts (`seq.spec_token_ids`, from `update_draft_token_ids`)
+schedules its newest token and as many drafts as `num_scheduled_spec_tokens` admits, with slots for all. The runner
+returns the accepted ones plus one more; `update_from_output` then hands back the rest
+(`hand_back_rejected_drafts`): `num_computed_tokens` comes back to the verified positions, the blocks they filled
+are registered in the prefix cache, and blocks only rejected drafts used stay for the next drafts.
 
-Speculative decoding (`SpeculativeConfig`): a decoding sequence with draft tokens (`seq.spec_token_ids`, proposed
-by the runner after the previous step's sampling and handed over by `update_draft_token_ids`) schedules its
-newest token and as many of its drafts as `num_scheduled_spec_tokens` admits under the step's budget and
-`max_model_len`, with slots for all of them. The runner verifies them in the same forward pass and returns the
-accepted ones plus one more; a stop inside that run ends it there. `update_from_output` then hands back what was
-scheduled but not kept (`hand_back_rejected_drafts`): `num_computed_tokens`, advanced past every draft at
-scheduling, comes back to the positions whose K/V are the sequence's (the rejected drafts' slots are overwritten
-next step), the blocks those positions filled are registered in the prefix cache (only the sequence's own,
-verified tokens are ever hashed), and the blocks only rejected drafts used stay with the sequence for its next
-drafts. Preemption drops the drafts.
-
-The module is split so that each idea can be read (and, in chapter 5, written) on its own: `SchedulerBase`
-holds the queues and the bookkeeping (`_preempt_request` and `update_from_output` among it), `select_victim`
-is who gives memory up, `allocate_or_preempt` when, and `Scheduler` adds the one method that decides a step,
-`schedule`.
+The module is split so that each idea can be read (and, in chapter 5, written) on its own: `SchedulerBase` holds
+the queues and the bookkeeping, `select_victim` is who gives memory up, `allocate_or_preempt` when, and `Scheduler`
+adds the one method that decides a step, `schedule`.
 
 Where this lives in vLLM: `vllm/v1/core/sched/scheduler.py` (`Scheduler.schedule`, whose loop around
 `allocate_slots` is our `allocate_or_preempt` and the victim it picks there our `select_victim`; `_preempt_request`,
@@ -452,13 +438,11 @@ def hand_back_rejected_drafts(kv_cache_manager: KVCacheManager, seq: Sequence, s
     in the prefix cache the blocks they filled (vLLM: `num_computed_tokens -= num_rejected` in
     `Scheduler.update_from_output`; it registers the blocks at the next `allocate_slots`).
 
-    Scheduling wrote K/V at positions `start` (the newest token) to `start + k` (the k drafts) and advanced
-    `num_computed_tokens` past them all. Verification returned `num_sampled` tokens, the accepted drafts and one of
-    the target's, already appended: all of them, or those up to a stop. The K/V that are the sequence's are the newest
-    token's and the accepted drafts', up to position `start + num_sampled - 1`, and only as far as the sequence's
-    tokens go after a stop; the last sampled token has none yet (its slot holds a rejected draft's, or nothing).
-    The blocks only rejected drafts used stay with the sequence, as in vLLM: the next step's drafts write there, and
-    a block freed now would send the next step to the free queue's head for one, evicting a cached block.
+    Scheduling wrote K/V at positions `start` (the newest token) to `start + k` and advanced `num_computed_tokens`
+    past them all. Of the `num_sampled` tokens verification appended, the K/V that are the sequence's reach position
+    `start + num_sampled - 1` (no further than its tokens after a stop); the last sampled token has none yet. The
+    blocks only rejected drafts used stay with the sequence, as in vLLM: the next drafts write there, and freeing one
+    now would evict a cached block for the next step.
     """
     seq.num_computed_tokens = min(start + num_sampled, seq.num_tokens)
     kv_cache_manager.cache_blocks(seq, start, seq.num_computed_tokens)

@@ -1,14 +1,12 @@
 """Preemption by swapping (chapter 11, `preemption_mode="swap"`), beside the scheduler as data parallelism is.
 
 `SwappingScheduler` is the `Scheduler` with a second way to preempt. When a running sequence needs a block and none
-is free, `allocate_or_swap_out` asks `select_preemption` which sequence group leaves — the victim `select_victim`
-names (the one rule both modes share) and every running sample of its request, which share blocks — and how: swapped
-out whole to the KV cache manager's swap pool (`_preempt_by_swap`, shared blocks copied once) or recomputed
-(`_preempt_by_recompute`); a group always moves whole (the paper's §4.5). `schedule_swapped` decides which swapped
-groups come back (`_swap_in_group`) after the running sequences and before the waiting queue is served, and what
-budget that leaves to new admissions. The KV cache manager owns the swap pool and is the only one to take or free
-its blocks (`swap_out`, `swap_in`, `free_swapped`); the block copies travel in the `SchedulerOutput`, made by the
-runner before the forward pass.
+is free, `allocate_or_swap_out` asks `select_preemption` which group leaves (the victim `select_victim` names and
+every running sample of its request, which share blocks) and how: swapped out whole to the swap pool
+(`_preempt_by_swap`, shared blocks copied once) or recomputed (`_preempt_by_recompute`); a group always moves whole
+(the paper's §4.5). `schedule_swapped` brings groups back (`_swap_in_group`) after the running sequences and before
+the waiting queue. The KV cache manager alone takes or frees swap blocks; the copies travel in the
+`SchedulerOutput`.
 
 Where this lives in vLLM: vLLM v0's `vllm/core/scheduler.py` (`_preempt`, `_preempt_by_swap`, `_preempt_by_recompute`,
 `_schedule_swapped`, `PreemptionMode`). vLLM v1 preempts by recompute only.

@@ -5,14 +5,11 @@
     POST /v1/chat/completions   serving_chat.py           GET /health      200, or 503 once the engine is dead
     POST /tokenize, /detokenize serving_tokenization.py   GET /metrics     Prometheus text (solutions/metrics/)
 
-One event loop serves every client: a handler only awaits (the engine's outputs, the client's connection, a
-worker thread that renders or tokenises), and the forward passes run in the engine core's own process or thread,
-so the loop stays free to accept, parse and stream while the model computes. A request body over
-`MAX_REQUEST_BODY_BYTES` is refused before it is read (when its Content-Length says so) or as soon as it passes
-the limit: no prompt that fits any context needs that much, and a server must not buffer whatever it is sent.
-Every refusal has OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad request
-(pydantic's own 422 included, with the field it failed on as `param`), 404 for an unknown model, 413 for a body
-too large, 500 if the engine died.
+One event loop serves every client: a handler only awaits, and the forward passes run in the engine core's own
+process or thread. A request body over `MAX_REQUEST_BODY_BYTES` is refused before it is read (by its
+Content-Length) or as soon as it passes the limit. Every refusal has OpenAI's error shape: 400 for a bad request
+(pydantic's 422 included, the failing field as `param`), 404 for an unknown model, 413 for a body too large, 500
+if the engine died.
 
 Where this lives in vLLM: `vllm/entrypoints/openai/api_server.py` (`build_app`, `run_server`).
 """

@@ -2,26 +2,21 @@
 
 Structured output comes in OpenAI's `response_format` (`{"type": "json_schema", "json_schema": {"name": ...,
 "schema": {...}}}` or `{"type": "json_object"}`), or in vLLM's `structured_outputs` object (`json`, `regex`,
-`choice`, `grammar`) or its older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` fields; at
-most one of them per request.
+`choice`, `grammar`) or its older `guided_*` fields; at most one of them per request.
 
-Requests are pydantic models, so a wrong type or a missing field is caught before the engine sees anything, with
-the field's name. What a request may hold is vLLM's surface, because the clients people point at a server are
-written for vLLM's: its benchmark client always sends `"repetition_penalty": 1.0`, lm-evaluation-harness sends
-`echo` and `seed`, the `openai` client `user` and `metadata`. So, as vLLM's `OpenAIBaseModel` does:
-- a field this server does not know is accepted and ignored, with a logged warning naming it (the price: a typo
-  such as `max_token` is ignored too, and generates 16 tokens; the warning is where it shows — vLLM 0.32 logs
-  the same line at debug level, earlier versions as a warning);
-- a field it knows is used: OpenAI's, and vLLM's sampler extensions (`top_k`, `min_p`, `ignore_eos`,
-  `stop_token_ids`, the penalties, `min_tokens`, `logit_bias`, `allowed_token_ids`, `prompt_logprobs`,
-  `bad_words`), each passed to the `SamplingParams` field of the same name, which checks its value (the `openai`
-  client sends vLLM's through `extra_body`);
-- a known feature this engine does not implement (beam search, `suffix`, tools...) is accepted at the value
-  that changes nothing (`"use_beam_search": false`, `"tools": []`) and refused with a 400 naming the field at any
-  other value: ignoring it would answer a different question than the one asked.
+Requests are pydantic models, so a wrong type or a missing field is caught with the field's name. What a request
+may hold is vLLM's surface, since clients are written for vLLM's (its benchmark client sends
+`"repetition_penalty": 1.0`, lm-evaluation-harness `echo` and `seed`, the `openai` client `user` and `metadata`).
+So, as vLLM's `OpenAIBaseModel` does:
+- an unknown field is accepted and ignored, with a logged warning naming it (so a typo such as `max_token` is
+  ignored too; the warning is where it shows);
+- a known field is used: OpenAI's, and vLLM's sampler extensions (`top_k`, `min_p`, the penalties, `logit_bias`,
+  ...), each passed to the `SamplingParams` field of the same name, which checks its value;
+- a known feature this engine does not implement (beam search, `suffix`, tools...) is accepted at the value that
+  changes nothing (`"use_beam_search": false`) and refused with a 400 naming the field at any other value.
 
-The values themselves are checked once, by `SamplingParams`; its ValueError comes back as a `RequestError`
-naming the request's field (`max_completion_tokens` rather than `SamplingParams.max_tokens`).
+`SamplingParams`' ValueError comes back as a `RequestError` naming the request's field (`max_completion_tokens`
+rather than `SamplingParams.max_tokens`).
 
 Where this lives in vLLM: `vllm/entrypoints/openai/completion/protocol.py`, `.../chat_completion/protocol.py`
 and `vllm/entrypoints/serve/engine/protocol.py` (`OpenAIBaseModel`).
@@ -281,12 +276,10 @@ class SamplingFields(OpenAIRequest):
 class CompletionRequest(SamplingFields):
     """`POST /v1/completions`. OpenAI's default `max_tokens` is 16; an explicit `null` fills the context.
 
-    `echo: true` puts the prompt before the completion, and with `logprobs: k` the prompt's logprobs before the
-    completion's (the first prompt token has none: nothing comes before it). `echo` with `max_tokens: 0` returns
-    the prompt alone, as vLLM does: the engine generates one token (it always generates at least one), which the
-    response drops from the text and the logprobs but, as vLLM's, counts in `usage.completion_tokens`. That is
-    how an evaluation harness scores a text: lm-evaluation-harness's `local-completions` asks for `echo`,
-    `logprobs: 1`, `max_tokens: 1` and sums the prompt's token logprobs.
+    `echo: true` puts the prompt (and with `logprobs: k` its logprobs, none for the first token) before the
+    completion. `echo` with `max_tokens: 0` returns the prompt alone, as vLLM does: the one token the engine generates
+    is dropped from the text and logprobs but counted in `usage.completion_tokens`. That is how lm-evaluation-harness's
+    `local-completions` scores a text (`echo`, `logprobs: 1`, `max_tokens: 1`, summing the prompt's logprobs).
     """
 
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -365,28 +358,35 @@ class ChatMessageParam(OpenAIRequest):
         return message | {key: value for key, value in given.items() if value is not None}
 
 
-def one_way_to_end_the_prompt(continue_final_message: bool, info: ValidationInfo) -> bool:
-    """`continue_final_message` and `add_generation_prompt` end the prompt in two different places: one at most."""
-    if continue_final_message and info.data.get("add_generation_prompt"):
-        raise ValueError("continue_final_message needs add_generation_prompt: false (the prompt ends in the "
-                         "last message, not where a new assistant message begins)")
-    return continue_final_message
+class ChatTemplateFields(OpenAIRequest):
+    """Where a conversation's prompt ends, for the chat template: the default ends it where the assistant's reply
+    begins; `continue_final_message` (vLLM's) instead leaves the last (assistant) message open, to be continued."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _one_way_to_end_the_prompt(cls, value: bool, info: ValidationInfo) -> bool:
+        """The two end the prompt in two different places: one at most."""
+        if value and info.data.get("add_generation_prompt"):
+            raise ValueError("continue_final_message needs add_generation_prompt: false (the prompt ends in the "
+                             "last message, not where a new assistant message begins)")
+        return value
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The subclass's `messages`, as the template reads them."""
+        return [message.for_template() for message in self.messages or []]
 
 
-class ChatCompletionRequest(SamplingFields):
-    """`POST /v1/chat/completions`. No `max_tokens` (or `max_completion_tokens`, its newer name) fills the context.
-
-    `add_generation_prompt` and `continue_final_message` (vLLM's) go to the chat template: the default ends the
-    prompt where the assistant's reply begins; `continue_final_message` instead leaves the last (assistant)
-    message open, to be continued."""
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
+    """`POST /v1/chat/completions`. No `max_tokens` (or `max_completion_tokens`, its newer name) fills the context."""
 
     messages: list[ChatMessageParam] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False  # the sampled token's log-probability per generated token
     top_logprobs: int | None = None  # ...and the top-k tokens' (needs logprobs: true)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = unsupported(None, [])
     tool_choice: str | dict[str, Any] | None = unsupported(None, "none", "auto")
 
@@ -408,16 +408,8 @@ class ChatCompletionRequest(SamplingFields):
     def _num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    @field_validator("continue_final_message")
-    @classmethod
-    def _one_way_to_end_the_prompt(cls, value: bool, info: ValidationInfo) -> bool:
-        return one_way_to_end_the_prompt(value, info)
 
-    def conversation(self) -> list[dict[str, Any]]:
-        return [message.for_template() for message in self.messages]
-
-
-class TokenizeRequest(OpenAIRequest):
+class TokenizeRequest(ChatTemplateFields):
     """`POST /tokenize` (vLLM's): a text (`prompt`) or a conversation (`messages`, rendered by the chat template as
     the chat endpoint renders it), not both. `add_special_tokens` defaults as vLLM's: true for a text, false for a
     conversation (the template writes them); `return_token_strs` adds each token's vocabulary entry."""
@@ -426,8 +418,6 @@ class TokenizeRequest(OpenAIRequest):
     prompt: str | None = None
     messages: list[ChatMessageParam] | None = Field(default=None, min_length=1, validate_default=True)
     add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
     return_token_strs: bool = False
 
     @field_validator("messages")
@@ -438,14 +428,6 @@ class TokenizeRequest(OpenAIRequest):
         if (value is None) == (info.data.get("prompt") is None):
             raise ValueError("give prompt (a text) or messages (a conversation): exactly one of them")
         return value
-
-    @field_validator("continue_final_message")
-    @classmethod
-    def _one_way_to_end_the_prompt(cls, value: bool, info: ValidationInfo) -> bool:
-        return one_way_to_end_the_prompt(value, info)
-
-    def conversation(self) -> list[dict[str, Any]]:
-        return [message.for_template() for message in self.messages or []]
 
 
 class DetokenizeRequest(OpenAIRequest):

@@ -12,6 +12,7 @@ Where this lives in vLLM: `vllm/entrypoints/openai/chat_completion/serving.py` (
 """
 
 import asyncio
+import functools
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi import Request
@@ -130,12 +131,9 @@ class OpenAIServingChat(OpenAIServing):
                 if completion.token_ids or completion.finish_reason is not None
             ]
 
-        def usage_event(usage: UsageInfo) -> str:
-            return chunk(None, usage)
-
         roles = [  # each sample's first chunk names the speaker
             chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
             for index in range(request.n)
         ]
-        usage_event_if_asked = usage_event if request.include_usage else None
-        return sse_events(firsts, outputs, events, usage_event_if_asked, request.continuous_usage, opening=roles)
+        usage_event = functools.partial(chunk, None) if request.include_usage else None  # a chunk with no choice
+        return sse_events(firsts, outputs, events, usage_event, request.continuous_usage, opening=roles)

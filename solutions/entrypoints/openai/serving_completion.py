@@ -1,24 +1,19 @@
 """`POST /v1/completions`: a prompt (text or token ids) in, its continuation out, whole or streamed.
 
-`prompt` may also be a list of prompts (OpenAI's batch form: texts, or token-id lists, as lm-evaluation-harness
-sends `batch_size` of them). Each becomes its own engine request, run side by side; their choices come in one
-response, choice `i * n + j` being prompt i's sample j (as OpenAI's and vLLM's), and `usage` sums them.
+`prompt` may be a list of prompts (OpenAI's batch form, as lm-evaluation-harness sends): each is its own engine
+request, choice `i * n + j` is prompt i's sample j, and `usage` sums them. Streamed, each engine output becomes
+one chunk per sample that moved, shaped like the whole response with `usage` null (or its prompt's counts so far,
+`continuous_usage_stats`); `include_usage` adds a last chunk with the token counts; `data: [DONE]` ends it.
 
-Streamed, every engine output becomes one chunk per sample that moved (`choices[0].index` says which sample of
-which prompt), shaped like the whole response, with `usage` null (`stream_options.continuous_usage_stats`: its
-prompt's counts so far); `stream_options.include_usage` adds one last chunk with no choices and the token counts;
-`data: [DONE]` ends the stream.
-
-`echo` puts the prompt's text before each sample's text (in its first chunk, streamed) and, with `logprobs`, the
-prompt's logprobs before the sample's: the legacy format's parallel lists (`tokens`, `token_logprobs`,
-`top_logprobs`, `text_offset`), whose first entry has null logprobs — the first token is not predicted from
-anything. `echo` with `max_tokens: 0` answers the prompt alone (see `CompletionRequest`). A whole response's
-choices also carry vLLM's `prompt_logprobs` whenever the engine computed them: asked for by name, or by `echo`
-with `logprobs` (which asks for the prompt's logprobs, as vLLM's request does).
+`echo` puts the prompt's text before each sample's and, with `logprobs`, the prompt's logprobs before the
+sample's, in the legacy format's parallel lists (the first entry's logprobs are null: nothing predicts it). `echo`
+with `max_tokens: 0` answers the prompt alone (see `CompletionRequest`). A whole response's choices also carry
+vLLM's `prompt_logprobs` whenever the engine computed them.
 
 Where this lives in vLLM: `vllm/entrypoints/openai/completion/serving.py` (`OpenAIServingCompletion`).
 """
 
+import functools
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 from fastapi import Request
@@ -145,9 +140,5 @@ class OpenAIServingCompletion(OpenAIServing):
                 chunks.append(chunk([choice], usage))
             return chunks
 
-        def usage_event(usage: UsageInfo) -> str:
-            return chunk([], usage)
-
-        return sse_events(
-            firsts, outputs, events, usage_event if request.include_usage else None, request.continuous_usage
-        )
+        usage_event = functools.partial(chunk, []) if request.include_usage else None  # a chunk with no choices
+        return sse_events(firsts, outputs, events, usage_event, request.continuous_usage)

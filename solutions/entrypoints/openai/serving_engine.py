@@ -2,26 +2,20 @@
 going away, and streaming over server-sent events.
 
 A request's life in the server: the body is parsed into a pydantic request (a bad type or a missing field is a
-400 naming it); the prompt is tokenised here, so `max_tokens` can default to the room left in the context (and a
-`max_tokens` larger than that room is a 400 naming it, in vLLM's words); the request becomes `SamplingParams` (a
-bad value is a 400 naming the request's field); `AsyncLLM.generate` streams DELTA outputs, which the endpoint
-either forwards as SSE chunks (`stream: true`) or merges into one response. A completions request with a list of
-prompts is one engine request per prompt, all checked before any is queued, their outputs merged as they come
-(`merge_outputs`); the engine's refusal of one aborts the others. The engine's messages name a request by the id
-this server gave it, which the client never saw: the server drops it (`without_request_id`).
-The server always asks for DELTA outputs, even for a whole response: the engine's per-token outputs are what
-the front end times for the latency metrics.
+400 naming it); the prompt is tokenised here, so `max_tokens` can default to the room left in the context (a
+larger `max_tokens` is a 400, in vLLM's words); the request becomes `SamplingParams` (a bad value is a 400 naming
+the request's field); `AsyncLLM.generate` streams DELTA outputs (what the front end times for the latency
+metrics), which the endpoint forwards as SSE chunks (`stream: true`) or merges into one response. A list of
+prompts is one engine request each, all checked before any is queued, their outputs merged as they come
+(`merge_outputs`); the engine's refusal of one aborts the others. The engine names a request by the id this server
+gave it, which the client never saw: `without_request_id` drops it.
 
-One request never holds up the others. Everything a handler runs on the event loop is short; what can take long
-runs in a worker thread (`asyncio.to_thread`): rendering the chat template and tokenising (half a second per
-megabyte of text). A text too long to fit is refused before it is tokenised (`Processor.tokenize`'s bound), and
-the body itself is capped (api_server.py), so a 10 MB prompt costs the server the time to read and parse it.
-
-A client that goes away must not keep its blocks. A streamed response notices when Starlette cancels the
-stream (it listens for `http.disconnect` while it streams); `ClosingStreamingResponse` then closes the event
-generator, whose `finally` closes `AsyncLLM.generate`, which aborts the request. A whole response has nothing
-to send until the end, so `until_disconnected` races the work against the connection's `http.disconnect` and
-cancels the work if the client leaves first — the same abort, through the same `finally`.
+One request never holds up the others: what can take long (rendering the chat template, tokenising) runs in a
+worker thread; a text too long to fit is refused before it is tokenised, and the body itself is capped
+(api_server.py). A client that goes away must not keep its blocks: a streamed response is cancelled by Starlette
+on `http.disconnect`, and `ClosingStreamingResponse` closes the event generator, whose `finally` closes
+`AsyncLLM.generate`, which aborts the request; a whole response races the work against the disconnect
+(`until_disconnected`) — the same abort, through the same `finally`.
 
 Where this lives in vLLM: `vllm/entrypoints/openai/engine/serving.py` (`OpenAIServing`) and
 `vllm/entrypoints/utils.py` (`with_cancellation`, `listen_for_disconnect`).

@@ -3,15 +3,10 @@
     POST /tokenize    {"prompt": "..."} or {"messages": [...]}  ->  {"count", "max_model_len", "tokens"}
     POST /detokenize  {"tokens": [...]}                         ->  {"prompt": "..."}
 
-A client counts a prompt's tokens before it sends it (will it fit in `max_model_len`, with how many left for the
-answer?) and reads token ids back as text. So `/tokenize` tokenises exactly as the generating endpoints do: a text
-as `/v1/completions` tokenises its prompt (`add_special_tokens`, true by default), a conversation rendered by the
-chat template as `/v1/chat/completions` renders it (`add_generation_prompt`, `continue_final_message`; then no
-special tokens by default: the template writes them). Its `count` is the `usage.prompt_tokens` of the same prompt,
-and `/detokenize` of its `tokens` gives the text back.
-
-Neither endpoint generates, so neither checks `max_model_len` (that is what a client asks them about); both refuse
-a model other than the one served, and `/detokenize` an id outside the vocabulary, with a 400 naming `tokens`.
+`/tokenize` tokenises exactly as the generating endpoints do (a text with `add_special_tokens`, true by default;
+a conversation rendered by the chat template, then no special tokens by default), so its `count` is the
+`usage.prompt_tokens` of the same prompt. Neither endpoint checks `max_model_len` (that is what a client asks them
+about); both refuse a model other than the one served, and `/detokenize` an id outside the vocabulary.
 
 Where this lives in vLLM: `vllm/entrypoints/serve/tokenize/serving.py` (`OpenAIServingTokenization`).
 """
