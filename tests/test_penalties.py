@@ -288,11 +288,13 @@ def test_filters_on_a_mix_of_rows_equal_each_filter_on_all_rows_where_it_filters
 
 
 def test_neutral_filters_keep_every_token_of_a_large_vocabulary():
-    """top_k = V, top_p = 1 and min_p = 0 leave the logits as they are. Applied anyway, top-p at 1 would drop the
-    tail tokens whose float cumulative probability rounds up to 1 (hundreds per row at V = 49,152)."""
+    """top_k = V, top_p = 1 and min_p = 0 leave the logits as they are, and so does top-p at 1 applied on its own,
+    although a float cumulative sum of 49,152 probabilities rounds up to 1 before its tail."""
     g = torch.Generator().manual_seed(3)
     vocab_size, batch = 49152, 4
     logits = torch.randn(batch, vocab_size, generator=g) * 3
     neutral = torch.full((batch,), vocab_size), torch.ones(batch), torch.zeros(batch)
     assert torch.equal(apply_top_k_top_p_min_p(logits, *neutral), logits)
-    assert torch.isinf(apply_top_p(logits, torch.ones(batch))).any(), "the rounding that skipping top-p avoids"
+    probs = torch.softmax(logits.sort(dim=-1, descending=True).values, dim=-1)
+    assert (probs.cumsum(dim=-1) - probs >= 1).any(), "the rounding a top-p of 1 must not act on"
+    assert torch.equal(apply_top_p(logits, torch.ones(batch)), logits)
