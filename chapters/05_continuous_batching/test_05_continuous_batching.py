@@ -62,8 +62,9 @@ def make_scheduler(cls, *, num_blocks=32, block_size=4, max_num_seqs=8, budget=1
     )
 
 
-def waiting_seq(sched, seq_id: int, num_tokens: int, priority: int = 0) -> Sequence:
+def waiting_seq(sched, seq_id: int, num_tokens: int, priority: int = 0, fork_seq_ids: tuple[int, ...] = ()) -> Sequence:
     seq = Sequence(seq_id, list(range(10, 10 + num_tokens)), priority=priority)
+    seq.fork_seq_ids = list(fork_seq_ids)
     sched.add_seq(seq)
     return seq
 
@@ -204,8 +205,7 @@ def test_schedule_counts_the_samples_a_request_will_fork(impl):
               "2-token prompts ids 1 and 2")
     with exercising("Scheduler", inputs):
         sched = make_scheduler(impl.Scheduler, max_num_seqs=4)
-        parent = waiting_seq(sched, 0, 3)
-        parent.fork_seq_ids = [10, 11]
+        waiting_seq(sched, 0, 3, fork_seq_ids=(10, 11))
         waiting_seq(sched, 1, 2)
         waiting_seq(sched, 2, 2)
         out = sched.schedule()
@@ -222,8 +222,7 @@ def test_schedule_hands_the_runner_the_copies_its_samples_need(impl):
               "each sample appends one token and the next step is scheduled")
     with exercising("Scheduler", inputs):
         sched = make_scheduler(impl.Scheduler, max_num_seqs=4)
-        parent = waiting_seq(sched, 0, 10)
-        parent.fork_seq_ids = [10, 11]
+        waiting_seq(sched, 0, 10, fork_seq_ids=(10, 11))
         sched.schedule()
         samples = list(sched.running)
         last_blocks = [seq.block_table[-1] for seq in samples]
