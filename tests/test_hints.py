@@ -487,6 +487,19 @@ def prediction_problems(nb: nbformat.NotebookNode) -> list[str]:
     return problems
 
 
+
+def unfolded_answers(nb: nbformat.NotebookNode) -> list[str]:
+    """Prose that reads a `predict` cell's result in the open: the first markdown cell after a predict cell must
+    fold it (`<details>`), or start a new section (a heading), so the answer is not on the page before the run."""
+    problems = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code" or PREDICT_TAG not in cell.metadata.get("tags", []):
+            continue
+        following = next((j for j in range(i + 1, len(nb.cells)) if nb.cells[j].cell_type == "markdown"), None)
+        if following is not None and not nb.cells[following].source.lstrip().startswith(("<details>", "#")):
+            problems.append(f"cell {following}: {nb.cells[following].source.splitlines()[0][:60]}")
+    return problems
+
 def shipped_notebook(chapter: str) -> nbformat.NotebookNode:
     return nbformat.read(CHAPTERS / chapter / f"{chapter}.ipynb", as_version=4)
 
@@ -503,6 +516,24 @@ def test_every_predict_first_question_is_answered_by_a_predict_cell(chapter):
     problems = prediction_problems(shipped_notebook(chapter))
     assert not problems, f"chapters/{chapter}: {problems}"
 
+
+
+@pytest.mark.parametrize("chapter", chapter_names())
+def test_prose_after_a_predict_cell_is_folded(chapter):
+    problems = unfolded_answers(shipped_notebook(chapter))
+    assert not problems, f"chapters/{chapter}: fold these in <details> (the answer to the question above): {problems}"
+
+
+def test_an_unfolded_answer_is_caught():
+    """Open prose after a predict cell is caught, past the code cells between; a fold or a new section is not."""
+    question = nbformat.v4.new_markdown_cell("**Predict first:** what does `f()` print? Write your prediction down.")
+    run = nbformat.v4.new_code_cell("f()", metadata={"tags": [PREDICT_TAG]})
+    nb = nbformat.v4.new_notebook(cells=[question, run, nbformat.v4.new_code_cell("plot()"),
+                                         nbformat.v4.new_markdown_cell("It prints 3, because...")])
+    assert unfolded_answers(nb) == ["cell 3: It prints 3, because..."]
+    for prose in ("<details><summary>Answer</summary>\n\nIt prints 3.\n</details>", "## 5. Next section"):
+        nb.cells[3] = nbformat.v4.new_markdown_cell(prose)
+        assert unfolded_answers(nb) == []
 
 def test_the_chapters_ask_predict_first_questions():
     """The rule above reads something: most chapters ask, and tag the cells that answer."""
