@@ -7,11 +7,21 @@ of exactly its blocks and one more per sample); which swapped groups come back, 
 worked out by hand from the free device blocks, the seats and the step's preemptions; the host tier's hits and LRU
 order counted by hand. The capstone holds SmolLM2's greedy tokens, in a preemption storm that both swaps and
 recomputes groups and with prefixes found on the host, to Hugging Face's, and finds nothing held on either host pool.
+Beyond the hand-made states, each exercise runs where the engine runs it on generated workloads (arrivals, forks,
+aborts, preemptions), and the state after each step must be the reference's
+(`grading/differential.py`).
 """
 
+from collections.abc import Callable
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from grading import exercising, expect_equal
+from grading.differential import (
+    DIFFERENTIAL_SETTINGS, RequestSpec, SchedulerWorld, request_specs, run_alike, scheduler_step,
+)
 from grading.capstone import CAPSTONE_PROMPTS, generate_batch, smollm2, smollm2_greedy, swap_in
 from solutions.attention.paged import KVCache
 from solutions.core.kv_cache_manager import KVCacheManager
@@ -254,6 +264,38 @@ def test_schedule_swapped_needs_seats_in_the_running_set(impl):
 
 
 @pytest.mark.exercise("schedule_swapped")
+def test_schedule_swapped_with_no_budget_left_brings_nobody_back(impl):
+    scheduler, _, _, inputs = swapped_set(16)
+    out = SchedulerOutput(num_computed_tokens=[])
+    left = run_swapped(impl, scheduler, out, 0, inputs.replace("budget 64", "budget 0 (the running took it all)"))
+    expect_equal((swapped_ids(scheduler), out.swapped_in_seq_ids, left), ([[0, 1, 2], [5]], [], 0),
+                 inputs=f"{inputs}, but a budget of 0; (the groups still out, swapped in, the budget left)")
+
+
+@pytest.mark.exercise("schedule_swapped")
+def test_schedule_swapped_counts_the_seats_of_samples_not_yet_forked(impl):
+    scheduler, seqs, inputs = running_set(max_num_seqs=3)
+    first, group = seqs[0], seqs[1:]
+    for seq in group:  # request r is dropped: a new request p takes its place, its prompt half computed
+        scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+    del scheduler.requests["r"]
+    parent = Sequence(0, PROMPT, arrival=1)
+    parent.request_id, parent.fork_seq_ids = "p", [1, 2]
+    assert scheduler.kv_cache_manager.allocate_slots(parent, 8) is not None
+    parent.num_computed_tokens = 8
+    scheduler.requests["p"] = [parent]
+    scheduler.add_running(parent)
+    scheduler._preempt_by_swap([parent], SchedulerOutput(num_computed_tokens=[]), {})
+    inputs = (f"block_size {BLOCK_SIZE}, 16 device blocks, max_num_seqs 3; seq 5 runs (1 seat); swapped out: seq 0, "
+              "the first sample of a request of n=3 whose 10-token prompt is 8 tokens in (samples 1 and 2 are forked "
+              "once it is in); a new step, budget 64")
+    out = SchedulerOutput(num_computed_tokens=[])
+    left = run_swapped(impl, scheduler, out, 64, inputs)
+    expect_equal((swapped_ids(scheduler), [s.seq_id for s in scheduler.running], left), ([[0]], [5], 0),
+                 inputs=f"{inputs}; (the groups still out, running afterwards, the budget left)")
+
+
+@pytest.mark.exercise("schedule_swapped")
 def test_schedule_swapped_with_nothing_out_leaves_the_whole_budget(impl):
     scheduler, _, inputs = running_set()
     out = SchedulerOutput(num_computed_tokens=[])
@@ -418,6 +460,44 @@ def test_lookup_counts_queries_and_hits_in_tokens(impl):
     expect_equal((offloading.stats.queries, offloading.stats.hits), (10, 4),
                  inputs=f"{inputs}; (stats.queries, stats.hits): the 10 tokens past the device's hits, 4 found")
 
+
+# --- every exercise against the reference, on generated workloads ----------------------------------------------------
+
+
+@st.composite
+def swapping_workloads(draw, host_tier: bool) -> tuple[Callable[[list[RequestSpec]], SchedulerWorld], list, str]:
+    """A swapping scheduler on a small device pool (with `host_tier`, a host tier too: prefix caching on) and a
+    generated workload for it: preemptions, swaps, forks, aborts and prefix hits happen on their own. Returns (the
+    world of a workload, the workload, the setting in words)."""
+    num_device = draw(st.integers(8, 16) if host_tier else st.integers(8, 12))
+    num_swap = draw(st.integers(1, 16))
+    caching = True if host_tier else draw(st.booleans())
+    num_offload = draw(st.integers(1, 8)) if host_tier else 0
+    policy, max_num_seqs = draw(st.sampled_from(SchedulingPolicy)), draw(st.integers(2, 8))
+    budget = draw(st.integers(2, 24))
+
+    def make_world(specs: list[RequestSpec]) -> SchedulerWorld:
+        manager = KVCacheManager(num_device, BLOCK_SIZE, enable_prefix_caching=caching)
+        manager.enable_swapping(num_swap)
+        if num_offload:
+            manager.enable_offloading(num_offload)
+        scheduler = SwappingScheduler(manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                      long_prefill_token_threshold=budget, policy=policy, max_model_len=64)
+        return SchedulerWorld(scheduler, specs)
+
+    inputs = (f"block_size {BLOCK_SIZE}, {num_device} device blocks, a swap pool of {num_swap}, a host tier of "
+              f"{num_offload} blocks, prefix caching {caching}, policy {policy.name}, max_num_seqs {max_num_seqs}, "
+              f"budget {budget}")
+    return make_world, draw(request_specs(last_arrival=10 if host_tier else 3)), inputs
+
+
+@pytest.mark.parametrize("exercise", [pytest.param(name, marks=pytest.mark.exercise(name)) for name in REFERENCE])
+@DIFFERENTIAL_SETTINGS
+@given(data=st.data())
+def test_each_exercise_leaves_the_references_state_on_generated_workloads(exercise, impl, data):
+    host_tier = exercise in ("prepare_store", "get_num_new_matched_tokens")
+    make_world, specs, inputs = data.draw(swapping_workloads(host_tier), label="workload")
+    run_alike(impl, exercise, REFERENCE[exercise], make_world, specs, scheduler_step, inputs)
 
 # --- capstone: your swaps, your scheduler's choice and your lookup in the engine, on SmolLM2 --------------------------
 

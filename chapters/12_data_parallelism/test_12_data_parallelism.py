@@ -9,16 +9,25 @@ by hand from what each hand-built pool was made to hold (the free queues' order,
 prefix-cache counters read before and after); what a dead replica hands back, in which order and in which state,
 worked out by hand from the queues it had, then every request run to its end on the other replica. The capstone
 holds SmolLM2's greedy tokens on two replicas, one of them killed mid-run, to Hugging Face's, with the prefix hits
-the reference engine gets and no block held at the end.
+the reference engine gets and no block held at the end. Beyond the hand-made states, each exercise runs where the
+engine runs it on generated workloads (arrivals, forks, aborts, a replica's death), and the state after each step
+must be the reference's (`grading/differential.py`).
 """
 
 import os
 import signal
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from grading import exercising, expect_equal, expect_raises
 from grading.capstone import CAPSTONE_PROMPTS, generate_batch, smollm2_greedy, swap_in
+from grading.differential import (
+    DIFFERENTIAL_SETTINGS, RequestSpec, SchedulerWorld, request_specs, run_alike, sampled_token,
+)
 from grading.waits import run_bounded
 from solutions.core import data_parallel_kv_cache_manager as manager_module
 from solutions.core.data_parallel_kv_cache_manager import DataParallelKVCacheManager
@@ -37,6 +46,7 @@ from solutions.engine.llm_engine import LLMEngine
 from solutions.sampling_params import SamplingParams
 
 REFERENCE = {
+    "can_take": dp_scheduler_module.can_take,
     "place_by_prefix": placement_module.place_by_prefix,
     "num_cached_blocks": manager_module.num_cached_blocks,
     "drop_replica": dp_scheduler_module.drop_replica,
@@ -244,6 +254,99 @@ def test_num_cached_blocks_finds_nothing_for_a_prompt_that_must_be_computed_whol
     expect_equal(cached(impl, manager, seq, inputs), [0, 0, 0], inputs=f"{inputs}; cached blocks per replica")
 
 
+# --- can_take -------------------------------------------------------------------------------------------------------
+
+
+def busy_pair(free: int, *, threshold: int = 64, queued: int | None = 9) -> tuple[DataParallelScheduler, str]:
+    """Two replicas of 16 blocks, 4 seats, a step budget of 64 and a prefill chunk cap of `threshold`: replica 0 runs
+    seq 10 (5 tokens, 2 blocks) and has seq 11 (`queued` tokens, none computed) in its queue, with other blocks taken
+    so that `free` are left; replica 1 is idle."""
+    replicas = [Scheduler(KVCacheManager(16, BLOCK_SIZE), max_num_seqs=4, max_num_batched_tokens=64,
+                          long_prefill_token_threshold=threshold, max_model_len=64) for _ in range(2)]
+    scheduler = DataParallelScheduler(replicas, PrefixAwarePolicy(), SchedulingPolicy.FCFS)
+    busy, manager = replicas[0], replicas[0].kv_cache_manager
+    running = make_seq(10, [1, 2, 3, 4, 5])
+    assert manager.allocate_slots(running, 5) is not None
+    running.num_computed_tokens = 5
+    busy.add_running(running)
+    if queued:
+        busy.add_seq(make_seq(11, list(range(200, 200 + queued))))
+    manager.block_pool.get_new_blocks(manager.num_free_blocks - free)
+    inputs = (f"block_size {BLOCK_SIZE}, 2 replicas of 16 blocks, max_num_seqs 4, step budget 64, "
+              f"long_prefill_token_threshold {threshold}; replica 0 runs seq 10 (5 tokens) and has "
+              f"{f'seq 11 ({queued} tokens) queued' if queued else 'nothing queued'}, {free} blocks free; replica 1 idle")
+    return scheduler, inputs
+
+
+def take(impl, scheduler: DataParallelScheduler, seq: Sequence, replica: int, inputs: str, cached: int = 0) -> bool:
+    """`can_take` as `place_waiting` calls it, for `replica`, with `cached` of `seq`'s blocks in its pool."""
+    states = scheduler.replica_states([cached if r == replica else 0 for r in range(len(scheduler.replicas))])
+    with exercising("can_take", inputs):
+        return impl.can_take(scheduler, seq, next(s for s in states if s.replica == replica))
+
+
+@pytest.mark.exercise("can_take")
+def test_can_take_counts_the_first_steps_of_what_is_queued_there_first(impl):
+    scheduler, inputs = busy_pair(free=6)
+    seq = make_seq(5, list(range(300, 309)))
+    inputs += "; seq 5, 9 tokens, asks replica 0"
+    expect_equal(take(impl, scheduler, seq, 0, inputs), True,
+                 inputs=f"{inputs}; can it take seq 5 (seq 11 needs 3 blocks, seq 5 needs 3)?")
+    scheduler, inputs = busy_pair(free=5)
+    inputs += "; seq 5, 9 tokens, asks replica 0"
+    expect_equal(take(impl, scheduler, seq, 0, inputs), False,
+                 inputs=f"{inputs}; can it take seq 5 (seq 11 needs 3 of the 5 free blocks first, seq 5 needs 3)?")
+
+
+@pytest.mark.exercise("can_take")
+def test_can_take_needs_blocks_only_past_what_the_pool_holds(impl):
+    scheduler, inputs = busy_pair(free=4)
+    seq = make_seq(5, list(range(300, 309)))
+    inputs += "; seq 5, 9 tokens, 2 of its blocks cached in replica 0's pool"
+    expect_equal(take(impl, scheduler, seq, 0, inputs, cached=2), True,
+                 inputs=f"{inputs}; can replica 0 take seq 5 (seq 11 needs 3, seq 5 one block past its 2 cached)?")
+    expect_equal(take(impl, scheduler, seq, 0, inputs, cached=0), False,
+                 inputs=f"{inputs.replace('2 of its blocks cached', 'none of its blocks cached')}; can replica 0 take "
+                 "seq 5?")
+
+
+@pytest.mark.exercise("can_take")
+def test_can_take_needs_blocks_for_one_step_of_a_long_prompt(impl):
+    scheduler, inputs = busy_pair(free=4, threshold=8, queued=None)
+    seq = make_seq(5, list(range(300, 340)))
+    inputs += "; seq 5, 40 tokens (10 blocks), asks replica 0"
+    expect_equal(take(impl, scheduler, seq, 0, inputs), True,
+                 inputs=f"{inputs}; can it take seq 5 (its first step computes 8 tokens: 2 blocks)?")
+    scheduler, inputs = busy_pair(free=1, threshold=8, queued=9)
+    inputs += "; seq 5, 40 tokens, asks replica 0"
+    expect_equal(take(impl, scheduler, seq, 0, inputs), False,
+                 inputs=f"{inputs}; can it take seq 5 (seq 11's first 8 tokens need 2 blocks, 1 is free)?")
+
+
+@pytest.mark.exercise("can_take")
+def test_can_take_needs_a_seat_for_every_sample_it_will_fork(impl):
+    scheduler, inputs = busy_pair(free=16 - 2)
+    seq = make_seq(5, [300, 301, 302])
+    inputs += "; seq 5, 3 tokens, asks replica 0 (2 of its 4 seats taken)"
+    expect_equal(take(impl, scheduler, seq, 0, inputs), True, inputs=f"{inputs}; can it take seq 5 (n=1)?")
+    seq.fork_seq_ids = [6]
+    expect_equal(take(impl, scheduler, seq, 0, inputs), True, inputs=f"{inputs}; can it take seq 5 (n=2)?")
+    seq.fork_seq_ids = [6, 7]
+    expect_equal(take(impl, scheduler, seq, 0, inputs), False,
+                 inputs=f"{inputs}; can it take seq 5 (n=3: it will fork samples 6 and 7)?")
+
+
+@pytest.mark.exercise("can_take")
+def test_can_take_an_idle_replica_takes_anything(impl):
+    scheduler, inputs = busy_pair(free=0)
+    seq = make_seq(5, list(range(300, 364)))
+    seq.fork_seq_ids = [6, 7, 8, 9]
+    inputs += "; seq 5, 64 tokens (16 blocks) and 4 samples to fork, asks replica 1 (idle, 16 blocks free)"
+    expect_equal(take(impl, scheduler, seq, 1, inputs), True,
+                 inputs=f"{inputs}; can replica 1 take it (its own scheduler chunks the prompt and caps the seats)?")
+    expect_equal(take(impl, scheduler, seq, 0, inputs), False,
+                 inputs=f"{inputs}; can replica 0 (busy, no block free) take it?")
+
 # --- drop_replica ---------------------------------------------------------------------------------------------------
 
 
@@ -408,21 +511,85 @@ def test_drop_replica_refuses_to_go_on_without_a_replica_but_requeues_first(impl
     expect_equal(scheduler.kv_cache_manager.alive, [False, False], inputs=f"{inputs}; kv_cache_manager.alive")
 
 
+# --- every exercise against the reference, on generated workloads ----------------------------------------------------
+
+
+@dataclass
+class DataParallelWorld(SchedulerWorld):
+    """A `SchedulerWorld` over replicas, one of which may die: (before step, replica), or None."""
+
+    death: tuple[int, int] | None = None
+
+
+def data_parallel_step(world: DataParallelWorld) -> SchedulerOutput:
+    """A replica that died in the previous step is dropped (as the engine core does), then one step of every live
+    replica, each sampling row given a token of its own (`sampled_token`: forked samples diverge)."""
+    if world.death is not None and world.death[0] == world.step:
+        world.scheduler.drop_replica(world.death[1])
+    world.arrive()
+    out = world.scheduler.schedule()
+    sampled = {}
+    for replica, part in out.replica_outputs.items():
+        _, seqs = sampling_rows(part)
+        sampled[replica] = ModelRunnerOutput([s.seq_id for s in seqs], [[sampled_token(s)] for s in seqs],
+                                             [None] * len(seqs))
+    world.scheduler.update_from_output(out, DataParallelModelRunnerOutput(sampled))
+    world.step += 1
+    return out
+
+
+@st.composite
+def data_parallel_workloads(draw) -> tuple[Callable[[list[RequestSpec]], DataParallelWorld], list, str]:
+    """2 or 3 replicas with small pools (swapping, in some), the prefix policy with a generated cap and margin, a
+    generated workload, and perhaps a replica that dies: placements, near ties, requeues and prefix hits happen on
+    their own. Returns (the world of a workload, the workload, the setting in words)."""
+    num_replicas, num_blocks = draw(st.integers(2, 3)), draw(st.integers(8, 16))
+    num_swap = draw(st.sampled_from([0, 0, 8]))
+    load_cap, near_tie = draw(st.integers(0, 4)), draw(st.integers(0, 2))
+    policy, max_num_seqs = draw(st.sampled_from(SchedulingPolicy)), draw(st.integers(2, 4))
+    death = draw(st.one_of(st.none(), st.tuples(st.integers(1, 10), st.integers(0, num_replicas - 1))))
+
+    def make_world(specs: list[RequestSpec]) -> DataParallelWorld:
+        replicas = []
+        for _ in range(num_replicas):
+            manager = KVCacheManager(num_blocks, BLOCK_SIZE)
+            if num_swap:
+                manager.enable_swapping(num_swap)
+            cls = SwappingScheduler if num_swap else Scheduler
+            replicas.append(cls(manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=16,
+                                long_prefill_token_threshold=16, max_model_len=64, policy=policy))
+        scheduler = DataParallelScheduler(replicas, PrefixAwarePolicy(load_cap, near_tie), policy)
+        return DataParallelWorld(scheduler, specs, death=death)
+
+    inputs = (f"block_size {BLOCK_SIZE}, {num_replicas} replicas of {num_blocks} blocks (a swap pool of {num_swap}), "
+              f"max_num_seqs {max_num_seqs}, policy {policy.name}, PrefixAwarePolicy(load_cap={load_cap}, "
+              f"near_tie_blocks={near_tie}), death (before step, replica) {death}")
+    return make_world, draw(request_specs(max_n=2)), inputs
+
+
+@pytest.mark.parametrize("exercise", [pytest.param(name, marks=pytest.mark.exercise(name)) for name in REFERENCE])
+@DIFFERENTIAL_SETTINGS
+@given(data=st.data())
+def test_each_exercise_leaves_the_references_state_on_generated_workloads(exercise, impl, data):
+    make_world, specs, inputs = data.draw(data_parallel_workloads(), label="workload")
+    run_alike(impl, exercise, REFERENCE[exercise], make_world, specs, data_parallel_step, inputs)
+
 # --- capstone: your placement, your accounting and your requeue in the engine, on SmolLM2 -----------------------------
 
 CAPSTONE_BLOCK_SIZE = 8
 FIRST_IDS = [0, 1]  # a chat question and a plain text: one on each replica
 SECOND_IDS = [2, 4, 6, 3, 5]  # three chat questions (the first's system prompt is cached on one replica), two texts
 CAPSTONE_TOKENS = 12
+CAPSTONE_SEATS = 2  # max_num_seqs per replica: the second batch does not fit where the cache would send it
 KILL_AT_STEP = 4  # of the second batch: replica 1's worker is SIGKILLed before it
 # Where the second batch is placed (worked out by hand: the five are placed one after another before the batch's
-# first step, each joining its replica's queue; both pools hold no block then (only cached free ones), so a waiting
-# request weighs one running one. Prompts 2, 4 and 6 go where prompt 0 left the system prompt: replica 0's load is
-# 0, 1, then 2 against 0 there, within the cap of 4. The texts, with nothing cached, go to the less loaded: replica 1
-# (load 0 against 3, then 1 against 3)), and the prompt tokens the prefix caches supplied over the run, recomputed
-# prompts included. The hits are the reference's: `pytest --impl=reference` and the notebook's nbval run hold them
-# to it.
-CAPSTONE_PLACEMENT = [0, 0, 0, 1, 1]
+# first step, each joining its replica's queue while that replica has a seat, 2 each; both pools hold no block then
+# (only cached free ones), so a waiting request weighs one running one. Prompts 2 and 4 go where prompt 0 left the
+# system prompt: replica 0's load is 0, then 1 against 0 there, within the cap of 4. Replica 0 then has no seat:
+# prompt 6 and the first text go to replica 1, the only replica that can take them, and the last text stays
+# unplaced, None), and the prompt tokens the prefix caches supplied over the run, recomputed prompts included. The
+# hits are the reference's: `pytest --impl=reference` and the notebook's nbval run hold them to it.
+CAPSTONE_PLACEMENT = [0, 0, 1, 1, None]
 CAPSTONE_HITS = 72
 
 
@@ -431,7 +598,7 @@ def capstone_run() -> dict:
     worker is killed during the second batch. Returns the tokens, the hits, the replicas alive, the sequences
     requeued and the blocks still in use."""
     engine = LLMEngine.from_engine_args(EngineArgs(
-        model="smollm2-135m", block_size=CAPSTONE_BLOCK_SIZE, max_num_seqs=4, max_model_len=256,
+        model="smollm2-135m", block_size=CAPSTONE_BLOCK_SIZE, max_num_seqs=CAPSTONE_SEATS, max_model_len=256,
         data_parallel_size=2, data_parallel_placement="prefix", worker_multiproc_method="fork",
     ))
     try:

@@ -1,6 +1,7 @@
 """Plausible wrong answers to chapter 11's exercises; each must fail at least one test of its exercise."""
 
 from solutions.core.sched.output import SchedulerOutput
+from solutions.core.sched.request_queue import SchedulingPolicy
 from solutions.core.sched.scheduler import SchedulerBase, select_victim
 from solutions.core.sched.swapping_scheduler import PreemptionMode
 from solutions.core.sequence import Sequence
@@ -79,6 +80,26 @@ def select_preemption_free_device_blocks(scheduler: SchedulerBase) -> tuple[list
     return group, PreemptionMode.SWAP if fits else PreemptionMode.RECOMPUTE
 
 
+
+def select_preemption_first_samples_blocks(scheduler: SchedulerBase) -> tuple[list[Sequence], PreemptionMode]:
+    """Counts the group's blocks as one sample's table, as if the samples shared every block: once they have
+    diverged after the fork, each holds blocks of its own, and the host pool is asked for too few."""
+    group = scheduler.group_of(select_victim(scheduler))
+    num_blocks = len(group[0].block_table)
+    fits = num_blocks <= scheduler.kv_cache_manager.swap_pool.num_free_blocks
+    back = num_blocks + len(group) <= scheduler.kv_cache_manager.num_blocks
+    return group, PreemptionMode.SWAP if fits and back else PreemptionMode.RECOMPUTE
+
+
+def select_preemption_latest_arrival_runs(scheduler: SchedulerBase) -> tuple[list[Sequence], PreemptionMode]:
+    """Takes the running request that arrived last, not the one that started running last: an early arrival
+    resumed behind later ones is spared."""
+    victim = max(scheduler.running, key=lambda s: (s.arrival, s.seq_id))
+    if scheduler.policy is not SchedulingPolicy.FCFS:
+        victim = select_victim(scheduler)
+    group = scheduler.group_of(victim)
+    return group, _mode(scheduler, group)
+
 # --- schedule_swapped -----------------------------------------------------------------------------------------------
 
 
@@ -137,6 +158,28 @@ def schedule_swapped_ignores_the_seats(scheduler: SchedulerBase, out: SchedulerO
     """Never counts seats: the running set grows past `max_num_seqs`."""
     return _bring_back(scheduler, out, budget, copies, seats=False)
 
+
+
+def schedule_swapped_seats_without_forks(scheduler: SchedulerBase, out: SchedulerOutput, budget: int,
+                                         copies: dict[int, list[tuple[int, int]]]) -> int:
+    """Counts one seat per sequence of the group: a parent swapped out before it forked brings its samples in past
+    `max_num_seqs`."""
+    manager = scheduler.kv_cache_manager
+    while scheduler.swapped and budget > 0 and not out.preempted_seq_ids:
+        group = scheduler.swapped[0]
+        if num_group_blocks(group) + len(group) > manager.num_free_blocks:
+            break
+        if scheduler._num_seats() + len(group) > scheduler.max_num_seqs:
+            break
+        budget = scheduler._swap_in_group(group, out, budget, copies)
+    return 0 if scheduler.swapped else budget
+
+
+def schedule_swapped_with_no_budget(scheduler: SchedulerBase, out: SchedulerOutput, budget: int,
+                                    copies: dict[int, list[tuple[int, int]]]) -> int:
+    """Brings groups back though the step's budget is spent: they hold their blocks and seats without running."""
+    return _bring_back(scheduler, out, budget + 1, copies) - 1 if budget == 0 else _bring_back(
+        scheduler, out, budget, copies)
 
 # --- prepare_store ------------------------------------------------------------------------------------------------
 
@@ -282,6 +325,10 @@ MUTANTS = {
     "select_preemption_ignores_the_way_back": {"select_preemption": select_preemption_ignores_the_way_back},
     "select_preemption_strict_way_back": {"select_preemption": select_preemption_strict_way_back},
     "select_preemption_free_device_blocks": {"select_preemption": select_preemption_free_device_blocks},
+    "select_preemption_first_samples_blocks": {"select_preemption": select_preemption_first_samples_blocks},
+    "select_preemption_latest_arrival_runs": {"select_preemption": select_preemption_latest_arrival_runs},
+    "schedule_swapped_seats_without_forks": {"schedule_swapped": schedule_swapped_seats_without_forks},
+    "schedule_swapped_with_no_budget": {"schedule_swapped": schedule_swapped_with_no_budget},
     "schedule_swapped_admits_while_a_group_is_out": {"schedule_swapped": schedule_swapped_admits_while_a_group_is_out},
     "schedule_swapped_in_a_step_that_preempted": {"schedule_swapped": schedule_swapped_in_a_step_that_preempted},
     "schedule_swapped_without_room_for_the_next_tokens":

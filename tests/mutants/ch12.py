@@ -5,6 +5,64 @@ from solutions.core.data_parallel_kv_cache_manager import DataParallelKVCacheMan
 from solutions.core.sched.data_parallel_scheduler import DataParallelScheduler
 from solutions.core.sched.placement import ReplicaState
 from solutions.core.sequence import Sequence, SequenceStatus
+from solutions.utils.math_utils import cdiv
+
+# --- can_take ---------------------------------------------------------------------------------------------------------
+
+
+def _take(scheduler: DataParallelScheduler, seq: Sequence, state: ReplicaState, *, idle: bool = True,
+          samples: bool = True, queue: bool = True, chunked: bool = True, cached: bool = True,
+          seats: bool = True) -> bool:
+    replica = scheduler.replicas[state.replica]
+    if idle and not replica.has_work():
+        return True
+    if seats and state.num_running + state.num_waiting + 1 + (len(seq.fork_seq_ids) if samples else 0) \
+            > replica.max_num_seqs:
+        return False
+    block_size = replica.kv_cache_manager.block_size
+    chunk = min(replica.long_prefill_token_threshold, replica.max_num_batched_tokens) if chunked else 10**9
+    own = seq.num_tokens - (state.num_cached_blocks * block_size if cached else 0)
+    needed = cdiv(min(own, chunk), block_size)
+    if queue:
+        needed += sum(cdiv(min(queued.num_tokens, chunk), block_size) for queued in replica.waiting)
+    return needed <= state.num_free_blocks
+
+
+def take_ignores_the_queue_there(scheduler: DataParallelScheduler, seq: Sequence, state: ReplicaState) -> bool:
+    """Counts the free blocks against `seq` alone: the replica's own queue takes them first, and `seq` waits there."""
+    return _take(scheduler, seq, state, queue=False)
+
+
+def take_whole_prompt(scheduler: DataParallelScheduler, seq: Sequence, state: ReplicaState) -> bool:
+    """Wants blocks for the whole prompt at once: a long prompt is refused by a busy replica that could chunk it."""
+    return _take(scheduler, seq, state, chunked=False)
+
+
+def take_ignores_the_cache(scheduler: DataParallelScheduler, seq: Sequence, state: ReplicaState) -> bool:
+    """Asks blocks for the cached prefix too: the pool that holds it looks fuller than it is."""
+    return _take(scheduler, seq, state, cached=False)
+
+
+def take_one_seat(scheduler: DataParallelScheduler, seq: Sequence, state: ReplicaState) -> bool:
+    """One seat per sequence: the samples it forks later overfill the replica's running set."""
+    return _take(scheduler, seq, state, samples=False)
+
+
+def take_refuses_when_idle(scheduler: DataParallelScheduler, seq: Sequence, state: ReplicaState) -> bool:
+    """No exception for an idle replica: a prompt longer than any pool's free blocks at once is never placed."""
+    return _take(scheduler, seq, state, idle=False)
+
+
+def take_ignores_the_seats(scheduler: DataParallelScheduler, seq: Sequence, state: ReplicaState) -> bool:
+    """Counts blocks but not seats: a full replica is handed sequences that then wait in its queue."""
+    return _take(scheduler, seq, state, seats=False)
+
+
+def take_any_free_block(scheduler: DataParallelScheduler, seq: Sequence, state: ReplicaState) -> bool:
+    """A seat and one free block are enough (the old, optimistic rule): a sequence is placed where it then waits."""
+    replica = scheduler.replicas[state.replica]
+    seats = state.num_running + state.num_waiting + 1 + len(seq.fork_seq_ids) <= replica.max_num_seqs
+    return not replica.has_work() or (seats and state.num_free_blocks > 0)
 
 # --- place_by_prefix ------------------------------------------------------------------------------------------------
 
@@ -120,6 +178,15 @@ def _leading(pool, hashes: list[bytes]) -> int:
     while count < len(hashes) and pool.block_pool.get_cached_block(hashes[count]) is not None:
         count += 1
     return count
+
+
+def place_near_tie_of_the_first_two(replicas: list[ReplicaState], load_cap: int, near_tie_blocks: int) -> int:
+    """A near tie between the best candidate and the runner-up only: with three replicas within the margin, the
+    third is never weighed, however lightly loaded."""
+    low = min(s.load for s in replicas)
+    candidates = sorted((s for s in replicas if s.load <= low + load_cap), key=lambda s: -s.num_cached_blocks)
+    good = [s for s in candidates[:2] if s.num_cached_blocks >= candidates[0].num_cached_blocks - near_tie_blocks]
+    return _choose(good)
 
 
 def cached_past_a_miss(manager: DataParallelKVCacheManager, seq: Sequence) -> list[int]:
@@ -244,6 +311,21 @@ def drop_every_one_preempted(scheduler: DataParallelScheduler, replica: int) -> 
     _drop(scheduler, replica, keep_waiting_status=False)
 
 
+def drop_forgets_the_swapped(scheduler: DataParallelScheduler, replica: int) -> None:
+    """Requeues the running and the waiting, but not the groups swapped out on the dead replica."""
+    scheduler.kv_cache_manager.mark_gone(replica)
+    dead = scheduler.replicas[replica]
+    seqs = [*dead.running, *dead.waiting]
+    for seq in seqs:
+        status = SequenceStatus.WAITING if seq.status is SequenceStatus.WAITING else SequenceStatus.PREEMPTED
+        dead.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        seq.status, seq.num_computed_tokens, seq.spec_token_ids, seq.replica = status, 0, [], None
+    for seq in sorted(seqs, key=lambda s: (s.arrival, s.seq_id), reverse=True):
+        scheduler.waiting.prepend(seq)
+    scheduler.num_requeued += len(seqs)
+    if not scheduler.live_replicas:
+        raise RuntimeError("every data-parallel replica has died")
+
 def drop_keeps_the_drafts(scheduler: DataParallelScheduler, replica: int) -> None:
     """Keeps the draft tokens the dead replica was to verify."""
     _drop(scheduler, replica, clear_drafts=False)
@@ -260,6 +342,13 @@ def drop_raises_before_requeueing(scheduler: DataParallelScheduler, replica: int
 
 
 MUTANTS = {
+    "take_ignores_the_queue_there": {"can_take": take_ignores_the_queue_there},
+    "take_whole_prompt": {"can_take": take_whole_prompt},
+    "take_ignores_the_cache": {"can_take": take_ignores_the_cache},
+    "take_one_seat": {"can_take": take_one_seat},
+    "take_refuses_when_idle": {"can_take": take_refuses_when_idle},
+    "take_any_free_block": {"can_take": take_any_free_block},
+    "take_ignores_the_seats": {"can_take": take_ignores_the_seats},
     "place_uncapped": {"place_by_prefix": place_uncapped},
     "place_strict_cap": {"place_by_prefix": place_strict_cap},
     "place_cap_after_the_choice": {"place_by_prefix": place_cap_after_the_choice},
@@ -270,6 +359,8 @@ MUTANTS = {
     "place_ties_to_the_first": {"place_by_prefix": place_ties_to_the_first},
     "place_returns_the_position": {"place_by_prefix": place_returns_the_position},
     "place_default_knobs": {"place_by_prefix": place_default_knobs},
+    "place_near_tie_of_the_first_two": {"place_by_prefix": place_near_tie_of_the_first_two},
+    "drop_forgets_the_swapped": {"drop_replica": drop_forgets_the_swapped},
     "cached_past_a_miss": {"num_cached_blocks": cached_past_a_miss},
     "cached_covers_the_last_token": {"num_cached_blocks": cached_covers_the_last_token},
     "cached_by_asking_each_pool": {"num_cached_blocks": cached_by_asking_each_pool},
@@ -289,7 +380,8 @@ MUTANTS = {
 
 # One mutant per exercise that must also make the capstone fail (its run is in tests/test_grading.py).
 CAPSTONE_MUTANTS = {
-    "place_by_prefix": "place_old_score",
+    "can_take": "take_ignores_the_seats",
+    "place_by_prefix": "place_returns_the_position",
     "num_cached_blocks": "cached_touches_the_hits",
     "drop_replica": "drop_keeps_the_computed_tokens",
 }
@@ -298,6 +390,13 @@ CAPSTONE_MUTANTS = {
 # header). Hint 2 may show none of them, and nothing under chapters/ may state them (tests/test_hints.py): they
 # live here, beside the wrong answers, because a learner reads the chapter's test file.
 DECISIVE = {
+    "can_take": [
+        "if not replica.has_work():",
+        "if state.num_running + state.num_waiting + 1 + len(seq.fork_seq_ids) > replica.max_num_seqs:",
+        "chunk = min(replica.long_prefill_token_threshold, replica.max_num_batched_tokens)",
+        "needed = cdiv(min(seq.num_tokens - state.num_cached_blocks * block_size, chunk), block_size)",
+        "needed += sum((cdiv(min(queued.num_tokens, chunk), block_size) for queued in replica.waiting))",
+    ],
     "place_by_prefix": [
         "min_load = min((state.load for state in replicas))",
         "candidates = [state for state in replicas if state.load <= min_load + load_cap]",

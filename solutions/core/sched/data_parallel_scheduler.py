@@ -167,19 +167,8 @@ class DataParallelScheduler:
         ]
 
     def _can_take(self, seq: Sequence, state: ReplicaState) -> bool:
-        """A seat for `seq` and its samples beside those running and queued there, and free blocks for the first chunk
-        of every sequence queued there and of `seq` (past what its pool holds of it). An idle replica takes anything:
-        its scheduler chunks the prompt or waits for nothing."""
-        replica = self.replicas[state.replica]
-        if not replica.has_work():
-            return True
-        if state.num_running + state.num_waiting + 1 + len(seq.fork_seq_ids) > replica.max_num_seqs:
-            return False
-        block_size = replica.kv_cache_manager.block_size
-        chunk = min(replica.long_prefill_token_threshold, replica.max_num_batched_tokens)
-        needed = cdiv(min(seq.num_tokens - state.num_cached_blocks * block_size, chunk), block_size)
-        needed += sum(cdiv(min(queued.num_tokens, chunk), block_size) for queued in replica.waiting)
-        return needed <= state.num_free_blocks
+        """`can_take(self, seq, state)`, looked up in this module when called (chapter 12's decision)."""
+        return can_take(self, seq, state)
 
     def get_grammar_bitmask(self, scheduler_output: DataParallelSchedulerOutput) -> GrammarOutput | None:
         """The masks of the merged batch's sampling rows (the executor cuts them per replica)."""
@@ -226,6 +215,22 @@ class DataParallelScheduler:
         dead replica's step in flight is forgotten."""
         self.in_flight.pop(replica, None)
         drop_replica(self, replica)
+
+
+def can_take(scheduler: DataParallelScheduler, seq: Sequence, state: ReplicaState) -> bool:
+    """Whether replica `state.replica` can take waiting `seq` now: a seat for it and its samples beside those running
+    and queued there, and free blocks for the first chunk of every sequence queued there and of `seq` (past what its
+    pool holds of it). An idle replica takes anything: its scheduler chunks the prompt or waits for nothing."""
+    replica = scheduler.replicas[state.replica]
+    if not replica.has_work():
+        return True
+    if state.num_running + state.num_waiting + 1 + len(seq.fork_seq_ids) > replica.max_num_seqs:
+        return False
+    block_size = replica.kv_cache_manager.block_size
+    chunk = min(replica.long_prefill_token_threshold, replica.max_num_batched_tokens)
+    needed = cdiv(min(seq.num_tokens - state.num_cached_blocks * block_size, chunk), block_size)
+    needed += sum(cdiv(min(queued.num_tokens, chunk), block_size) for queued in replica.waiting)
+    return needed <= state.num_free_blocks
 
 
 def drop_replica(scheduler: DataParallelScheduler, replica: int) -> None:
