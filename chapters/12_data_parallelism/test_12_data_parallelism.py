@@ -274,7 +274,8 @@ def busy_pair(free: int, *, threshold: int = 64, queued: int | None = 9) -> tupl
     manager.block_pool.get_new_blocks(manager.num_free_blocks - free)
     inputs = (f"block_size {BLOCK_SIZE}, 2 replicas of 16 blocks, max_num_seqs 4, step budget 64, "
               f"long_prefill_token_threshold {threshold}; replica 0 runs seq 10 (5 tokens) and has "
-              f"{f'seq 11 ({queued} tokens) queued' if queued else 'nothing queued'}, {free} blocks free; replica 1 idle")
+              f"{f'seq 11 ({queued} tokens) queued' if queued else 'nothing queued'}, {free} blocks free; "
+              "replica 1 idle")
     return scheduler, inputs
 
 
