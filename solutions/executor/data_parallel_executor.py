@@ -31,12 +31,7 @@ from solutions.core.sched.data_parallel_scheduler import DataParallelModelRunner
 from solutions.core.sched.output import GrammarOutput, SchedulerOutput, sampling_rows
 from solutions.executor.abstract import Executor
 from solutions.executor.worker_proc import (
-    READY_TIMEOUT_SECONDS,
-    WorkerChannel,
-    gather,
-    poll,
-    shutdown_workers,
-    start_workers,
+    READY_TIMEOUT_SECONDS, WorkerChannel, gather, poll, shutdown_workers, start_workers,
 )
 from solutions.model.loader import load_model
 from solutions.worker.model_runner import ModelRunner

@@ -33,13 +33,7 @@ from solutions.distributed.layers import shard_model
 from solutions.distributed.parallel_state import destroy_tensor_parallel, free_port, init_tensor_parallel
 from solutions.executor.abstract import Executor, eager_on_gpu
 from solutions.executor.worker_proc import (
-    READY_TIMEOUT_SECONDS,
-    WorkerChannel,
-    WorkerProc,
-    gather,
-    shutdown_workers,
-    start_workers,
-    worker_cpus,
+    READY_TIMEOUT_SECONDS, WorkerChannel, WorkerProc, gather, shutdown_workers, start_workers, worker_cpus,
     worker_threads,
 )
 from solutions.model.llama import LlamaForCausalLM

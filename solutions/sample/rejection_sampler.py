@@ -39,9 +39,7 @@ def _check_inputs(
             raise ValueError(f"{name} must have one entry per sequence ({num_seqs}), got {len(value)}")
     num_rows = sum(len(draft) + 1 for draft in draft_token_ids)
     if target_logits.ndim != 2 or target_logits.shape[0] != num_rows:
-        raise ValueError(
-            f"target_logits must be (sum of (k_i + 1) = {num_rows}, V), got {tuple(target_logits.shape)}"
-        )
+        raise ValueError(f"target_logits must be (sum of (k_i + 1) = {num_rows}, V), got {tuple(target_logits.shape)}")
     vocab_size = target_logits.shape[1]
     for i, draft in enumerate(draft_token_ids):
         if any(not 0 <= t < vocab_size for t in draft):

@@ -79,9 +79,7 @@ def prepare_inputs(
     return torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), metadata
 
 
-def prompt_logprobs_rows(
-    scheduler_output: SchedulerOutput,
-) -> tuple[list[int], list[tuple[int, int, list[int], int]]]:
+def prompt_logprobs_rows(scheduler_output: SchedulerOutput) -> tuple[list[int], list[tuple[int, int, list[int], int]]]:
     """The flat-batch rows whose logits give prompt logprobs this step, and per such sequence (seq_id, the prompt
     position its first logprob is for, the prompt tokens those rows predict, its `prompt_logprobs`).
 

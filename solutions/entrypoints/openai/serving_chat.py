@@ -21,27 +21,11 @@ from starlette.responses import Response
 from transformers import PreTrainedTokenizerBase
 
 from solutions.entrypoints.openai.protocol import (
-    ChatChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatLogProb,
-    ChatLogProbs,
-    ChatLogProbsContent,
-    ChatMessage,
-    ChatStreamChoice,
-    DeltaMessage,
-    RequestError,
-    TokenizeRequest,
-    UsageInfo,
+    ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogProb, ChatLogProbs,
+    ChatLogProbsContent, ChatMessage, ChatStreamChoice, DeltaMessage, RequestError, TokenizeRequest, UsageInfo,
 )
 from solutions.entrypoints.openai.serving_engine import (
-    OpenAIServing,
-    finish_reason_of,
-    sse_event,
-    sse_events,
-    token_text,
-    usage_of,
+    OpenAIServing, finish_reason_of, sse_event, sse_events, token_text, usage_of,
 )
 from solutions.outputs import CompletionOutput, RequestOutput
 

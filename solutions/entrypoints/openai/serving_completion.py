@@ -20,20 +20,10 @@ from fastapi import Request
 from starlette.responses import Response
 
 from solutions.entrypoints.openai.protocol import (
-    CompletionChoice,
-    CompletionLogProbs,
-    CompletionRequest,
-    CompletionResponse,
-    UsageInfo,
-    json_logprob,
+    CompletionChoice, CompletionLogProbs, CompletionRequest, CompletionResponse, UsageInfo, json_logprob,
 )
 from solutions.entrypoints.openai.serving_engine import (
-    OpenAIServing,
-    finish_reason_of,
-    sse_event,
-    sse_events,
-    token_text,
-    usage_of,
+    OpenAIServing, finish_reason_of, sse_event, sse_events, token_text, usage_of,
 )
 from solutions.outputs import CompletionOutput, Logprob, RequestOutput
 

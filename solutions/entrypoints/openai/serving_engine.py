@@ -38,13 +38,7 @@ from starlette.types import Receive, Scope, Send
 
 from solutions.engine.async_llm import AsyncLLM, EngineDeadError, merge_delta
 from solutions.exceptions import ParameterError
-from solutions.entrypoints.openai.protocol import (
-    ErrorInfo,
-    ErrorResponse,
-    RequestError,
-    SamplingFields,
-    UsageInfo,
-)
+from solutions.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, RequestError, SamplingFields, UsageInfo
 from solutions.outputs import CompletionOutput, Logprob, RequestOutput
 from solutions.sampling_params import SamplingParams
 
