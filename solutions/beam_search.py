@@ -205,10 +205,8 @@ def run_beam_search(
                 num_new = seq.num_tokens - seq.num_computed_tokens - num_cached
                 copies = manager.allocate_slots(seq, num_new, hits)
                 if copies is None:
-                    raise ValueError(
-                        f"the KV cache ({manager.num_blocks} blocks of {manager.block_size}) cannot hold "
-                        f"{len(batch)} beams; raise num_kv_blocks or lower beam_width"
-                    )
+                    raise ValueError(f"the KV cache ({manager.num_blocks} blocks of {manager.block_size}) cannot hold "
+                                     f"{len(batch)} beams; raise num_kv_blocks or lower beam_width")
                 scheduler_output.scheduled_seqs.append(seq)
                 scheduler_output.num_scheduled_tokens.append(num_new)
                 scheduler_output.num_computed_tokens.append(seq.num_computed_tokens + num_cached)  # after the hits

@@ -100,9 +100,8 @@ class OpenAIServingChat(OpenAIServing):
     ) -> AsyncGenerator[str, None]:
         def chunk(choice: ChatStreamChoice | None, usage: UsageInfo | None = None) -> str:
             choices = [] if choice is None else [choice]
-            return sse_event(ChatCompletionChunk(
-                id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
-            ))
+            return sse_event(ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices,
+                                                 usage=usage))
 
         def events(_: int, output: RequestOutput, usage: UsageInfo | None) -> list[str]:
             return [
