@@ -136,6 +136,4 @@ class ContiguousAllocator:
         Those slots are free but useless to a request bigger than every other hole: 0.0 means the free memory
         is one block, values near 1.0 mean it is crumbs.
         """
-        if self.num_free_slots == 0:
-            return 0.0
-        return 1.0 - self.largest_free_extent / self.num_free_slots
+        return 0.0 if self.num_free_slots == 0 else 1.0 - self.largest_free_extent / self.num_free_slots
