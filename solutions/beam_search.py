@@ -88,11 +88,7 @@ def get_beam_search_score(
 
 
 def beam_search_step(
-    manager: KVCacheManager,
-    beams: list[Beam],
-    logprobs: torch.Tensor,
-    beam_width: int,
-    eos_token_id: int | None,
+    manager: KVCacheManager, beams: list[Beam], logprobs: torch.Tensor, beam_width: int, eos_token_id: int | None,
     seq_ids: Iterator[int],
 ) -> tuple[list[Beam], list[Beam]]:
     """One step for one prompt: choose the surviving candidates, fork them from their parents, free the parents.
@@ -171,14 +167,8 @@ def _swap_beam_groups(
 
 
 def run_beam_search(
-    manager: KVCacheManager,
-    model_runner,
-    prompts: list[list[int]],
-    params: BeamSearchParams,
-    eos_token_id: int | None,
-    max_model_len: int,
-    seq_ids: Iterator[int] | None = None,
-    on_step=None,
+    manager: KVCacheManager, model_runner, prompts: list[list[int]], params: BeamSearchParams, eos_token_id: int | None,
+    max_model_len: int, seq_ids: Iterator[int] | None = None, on_step=None,
 ) -> list[list[BeamSearchSequence]]:
     """Beam search for every prompt at once, one forward pass per step for all live beams of all prompts.
 
@@ -215,10 +205,8 @@ def run_beam_search(
                 num_new = seq.num_tokens - seq.num_computed_tokens - num_cached
                 copies = manager.allocate_slots(seq, num_new, hits)
                 if copies is None:
-                    raise ValueError(
-                        f"the KV cache ({manager.num_blocks} blocks of {manager.block_size}) cannot hold "
-                        f"{len(batch)} beams; raise num_kv_blocks or lower beam_width"
-                    )
+                    raise ValueError(f"the KV cache ({manager.num_blocks} blocks of {manager.block_size}) cannot hold "
+                                     f"{len(batch)} beams; raise num_kv_blocks or lower beam_width")
                 scheduler_output.scheduled_seqs.append(seq)
                 scheduler_output.num_scheduled_tokens.append(num_new)
                 scheduler_output.num_computed_tokens.append(seq.num_computed_tokens + num_cached)  # after the hits
@@ -246,26 +234,17 @@ def run_beam_search(
                         manager.free(beam.seq)
     finally:
         for p, beams in enumerate(live):
+            free = manager.free_swapped if p in swapped else manager.free
             for beam in beams:
-                if p in swapped:
-                    manager.free_swapped(beam.seq)
-                else:
-                    manager.free(beam.seq)
+                free(beam.seq)
     results = []
-    for p, prompt in enumerate(prompts):
-        candidates = [
-            BeamSearchSequence(
-                tokens=beam.seq.token_ids,
-                logprobs=beam.logprobs,
-                cum_logprob=beam.cum_logprob,
-                finish_reason=(
-                    FinishReason.STOP if eos is not None and beam.seq.last_token_id == eos else FinishReason.LENGTH
-                ),
-            )
-            for beam in (done[p] if len(done[p]) >= params.beam_width else done[p] + live[p])
-        ]
-        candidates.sort(
-            key=lambda s: get_beam_search_score(s.tokens, s.cum_logprob, eos, params.length_penalty), reverse=True
-        )
-        results.append(candidates[: params.beam_width])
+    for p in range(len(prompts)):
+        beams = done[p] if len(done[p]) >= params.beam_width else done[p] + live[p]
+        penalty = params.length_penalty
+        beams.sort(key=lambda b: get_beam_search_score(b.seq.token_ids, b.cum_logprob, eos, penalty), reverse=True)
+        results.append([
+            BeamSearchSequence(beam.seq.token_ids, beam.logprobs, beam.cum_logprob, finish_reason=(
+                FinishReason.STOP if eos is not None and beam.seq.last_token_id == eos else FinishReason.LENGTH))
+            for beam in beams[: params.beam_width]
+        ])
     return results

@@ -166,10 +166,8 @@ class SpeculativeConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ParameterError(f"{self.OPTION}[{key!r}] must be an int >= 1, got {value!r}", self.OPTION)
         if self.method == "ngram" and self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ParameterError(
-                f"{self.OPTION}['prompt_lookup_min'] must be at most prompt_lookup_max={self.prompt_lookup_max}, "
-                f"got {self.prompt_lookup_min}", self.OPTION,
-            )
+            raise ParameterError(f"{self.OPTION}['prompt_lookup_min'] must be at most prompt_lookup_max="
+                                 f"{self.prompt_lookup_max}, got {self.prompt_lookup_min}", self.OPTION)
 
     @classmethod
     def method_keys(cls, method: str | None) -> tuple[str, ...]:
@@ -193,23 +191,18 @@ class SpeculativeConfig:
             lookup_max = lookup_max if lookup_max is not None else lookup_min
             values.update(prompt_lookup_min=lookup_min, prompt_lookup_max=lookup_max)
         config = cls(**values)
-        if num_hidden_layers is not None and config.num_draft_layers is not None and (
-            config.num_draft_layers >= num_hidden_layers
-        ):
-            raise ParameterError(
-                f"{cls.OPTION}['num_draft_layers'] must be in [1, {num_hidden_layers - 1}] (the model has "
-                f"{num_hidden_layers} layers), got {config.num_draft_layers}", cls.OPTION,
-            )
+        layers = config.num_draft_layers
+        if num_hidden_layers is not None and layers is not None and layers >= num_hidden_layers:
+            raise ParameterError(f"{cls.OPTION}['num_draft_layers'] must be in [1, {num_hidden_layers - 1}] (the model "
+                                 f"has {num_hidden_layers} layers), got {layers}", cls.OPTION)
         return config
 
     @classmethod
     def refuse_keys(cls, method: str, unknown: list[str]) -> None:
         """Keys given that `method` does not read are a mistake (a misspelling, another method's key)."""
         if unknown:
-            raise ParameterError(
-                f"{cls.OPTION} has unknown keys {unknown} for method {method!r}; its keys are "
-                f"{cls.method_keys(method)}", cls.OPTION,
-            )
+            raise ParameterError(f"{cls.OPTION} has unknown keys {unknown} for method {method!r}; its keys are "
+                                 f"{cls.method_keys(method)}", cls.OPTION)
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,7 @@ def reserved_length(prompt_len: int, output_len: int, max_model_len: int, policy
     if prompt_len < 1 or output_len < 1:
         raise ValueError(f"prompt_len and output_len must be >= 1, got {prompt_len} and {output_len}")
     if prompt_len + output_len > max_model_len:
-        raise ValueError(
-            f"prompt_len + output_len = {prompt_len + output_len} exceeds max_model_len = {max_model_len}"
-        )
+        raise ValueError(f"prompt_len + output_len = {prompt_len + output_len} exceeds max_model_len = {max_model_len}")
     if policy is ReservationPolicy.MAX_MODEL_LEN:
         return max_model_len
     if policy is ReservationPolicy.POW2:
@@ -138,6 +136,4 @@ class ContiguousAllocator:
         Those slots are free but useless to a request bigger than every other hole: 0.0 means the free memory
         is one block, values near 1.0 mean it is crumbs.
         """
-        if self.num_free_slots == 0:
-            return 0.0
-        return 1.0 - self.largest_free_extent / self.num_free_slots
+        return 0.0 if self.num_free_slots == 0 else 1.0 - self.largest_free_extent / self.num_free_slots

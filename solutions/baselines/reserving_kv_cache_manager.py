@@ -26,9 +26,7 @@ from solutions.utils.math_utils import cdiv
 
 # `kv_reservation=` names for the engine and the server (the paper's Orca (Max) / (Pow2) / (Oracle)).
 KV_RESERVATIONS: dict[str, ReservationPolicy] = {
-    "max": ReservationPolicy.MAX_MODEL_LEN,
-    "pow2": ReservationPolicy.POW2,
-    "oracle": ReservationPolicy.ORACLE,
+    "max": ReservationPolicy.MAX_MODEL_LEN, "pow2": ReservationPolicy.POW2, "oracle": ReservationPolicy.ORACLE,
 }
 
 
@@ -77,9 +75,8 @@ class ReservingKVCacheManager(KVCacheManager):
         return self._reserved_tokens[seq.seq_id]
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        raise RuntimeError(
-            f"sequence {parent.seq_id} cannot be forked under kv_reservation: its blocks are reserved for it alone"
-        )
+        raise RuntimeError(f"sequence {parent.seq_id} cannot be forked under kv_reservation: "
+                           "its blocks are reserved for it alone")
 
     def allocate_slots(
         self, seq: Sequence, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None

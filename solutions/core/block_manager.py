@@ -28,10 +28,8 @@ def slot_mapping(block_table: list[int], start: int, end: int, block_size: int) 
     at `k_cache.view(-1, ...)[slot]`. Example: block_table [7, 2], block_size 4, positions 3..5 → [31, 8, 9].
     """
     if not 0 <= start <= end <= len(block_table) * block_size:
-        raise ValueError(
-            f"positions [{start}, {end}) are outside the {len(block_table)} blocks of the block table "
-            f"({len(block_table) * block_size} slots at block_size {block_size})"
-        )
+        raise ValueError(f"positions [{start}, {end}) are outside the {len(block_table)} blocks of the block table "
+                         f"({len(block_table) * block_size} slots at block_size {block_size})")
     return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 

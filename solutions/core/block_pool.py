@@ -133,9 +133,8 @@ class BlockPool:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if num_blocks > self.num_free_blocks:
-            raise ValueError(
-                f"cannot get {num_blocks} blocks: only {self.num_free_blocks} of {self.num_blocks} are free"
-            )
+            raise ValueError(f"cannot get {num_blocks} blocks: only {self.num_free_blocks} of "
+                             f"{self.num_blocks} are free")
         blocks = [self.free_block_queue.popleft() for _ in range(num_blocks)]
         for block in blocks:
             assert block.ref_cnt == 0, f"block {block.block_id} was in the free queue with ref_cnt {block.ref_cnt}"
@@ -156,9 +155,8 @@ class BlockPool:
         for block_id, num_refs in Counter(block.block_id for block in blocks).items():
             block = self.blocks[block_id]
             if num_refs > block.ref_cnt:
-                raise RuntimeError(
-                    f"block {block_id} freed {num_refs} time(s) but its ref_cnt is {block.ref_cnt} (double free?)"
-                )
+                raise RuntimeError(f"block {block_id} freed {num_refs} time(s) but its ref_cnt is "
+                                   f"{block.ref_cnt} (double free?)")
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:

@@ -54,9 +54,8 @@ class DataParallelKVCacheManager:
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """Every pool's lookups, summed (a new record: the pools keep their own)."""
         stats = [manager.prefix_cache_stats for manager in self.replicas]
-        return PrefixCacheStats(
-            sum(s.num_requests for s in stats), sum(s.queries for s in stats), sum(s.hits for s in stats)
-        )
+        return PrefixCacheStats(sum(s.num_requests for s in stats), sum(s.queries for s in stats),
+                                sum(s.hits for s in stats))
 
     def mark_gone(self, replica: int) -> None:
         """Replica `replica`'s process died: its pool takes no sequence and counts in no total from now on."""

@@ -104,9 +104,8 @@ class KVCacheManager(BlockManager):
         blocks = [self.block_pool.blocks[block_id] for block_id in parent.block_table]
         for block in blocks:
             if block.ref_cnt <= 0:
-                raise RuntimeError(
-                    f"sequence {parent.seq_id} holds block {block.block_id}, whose ref_cnt is {block.ref_cnt}"
-                )
+                raise RuntimeError(f"sequence {parent.seq_id} holds block {block.block_id}, "
+                                   f"whose ref_cnt is {block.ref_cnt}")
             block.ref_cnt += 1
         child.block_table.extend(parent.block_table)
 
@@ -138,10 +137,8 @@ class KVCacheManager(BlockManager):
         none is free (ask `can_append_slot` first).
         """
         if self._num_blocks_for_newest_token(seq) > self.num_free_blocks:
-            raise ValueError(
-                f"cannot append a slot to sequence {seq.seq_id}: token {seq.num_tokens} needs a block and "
-                f"0 of {self.num_blocks} blocks are free"
-            )
+            raise ValueError(f"cannot append a slot to sequence {seq.seq_id}: token {seq.num_tokens} needs a block and "
+                             f"0 of {self.num_blocks} blocks are free")
         last = (seq.num_tokens - 1) // self.block_size  # logical block of the newest token
         if last == len(seq.block_table):
             seq.block_table.extend(block.block_id for block in self.block_pool.get_new_blocks(1))

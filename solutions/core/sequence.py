@@ -35,12 +35,7 @@ class SequenceStatus(Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in FINISHED_STATUSES
-
-
-FINISHED_STATUSES = frozenset(
-    (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH_CAPPED, SequenceStatus.FINISHED_ABORTED)
-)
+        return self.name.startswith("FINISHED_")
 
 
 class Sequence:

@@ -133,18 +133,13 @@ def shard_weight(name: str, tensor: torch.Tensor, part: Partition, head_dim: int
     range's rows; the norms stay whole."""
     q = (part.q_heads[0] * head_dim, part.q_heads[1] * head_dim)
     kv = (part.kv_heads[0] * head_dim, part.kv_heads[1] * head_dim)
-    keep = {  # (module, parameter) -> (dimension, [start, end))
-        ("q_proj", "weight"): (0, q), ("q_proj", "bias"): (0, q),
-        ("k_proj", "weight"): (0, kv), ("k_proj", "bias"): (0, kv),
-        ("v_proj", "weight"): (0, kv), ("v_proj", "bias"): (0, kv),
-        ("gate_proj", "weight"): (0, part.intermediate), ("gate_proj", "bias"): (0, part.intermediate),
-        ("up_proj", "weight"): (0, part.intermediate), ("up_proj", "bias"): (0, part.intermediate),
+    column = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": part.intermediate, "up_proj": part.intermediate}
+    keep = {(module, parameter): (0, rows) for module, rows in column.items() for parameter in ("weight", "bias")}
+    keep |= {  # (module, parameter) -> (dimension, [start, end))
         ("o_proj", "weight"): (1, q), ("down_proj", "weight"): (1, part.intermediate),
         ("embed_tokens", "weight"): (0, part.vocab), ("lm_head", "weight"): (0, part.vocab),
     }
-    module, parameter = name.split(".")[-2:]
-    rule = keep.get((module, parameter))
-    if rule is None:
+    if (rule := keep.get(tuple(name.split(".")[-2:]))) is None:
         return tensor
     dim, (start, end) = rule
     return tensor.narrow(dim, start, end - start)
@@ -167,9 +162,8 @@ def shard_model(full: LlamaForCausalLM, rank: int, tp_size: int) -> LlamaForCaus
         model.model.embed_tokens = VocabParallelEmbedding(part.vocab, config.hidden_size)
         model.lm_head = ParallelLMHead([p.vocab for p in parts], rank, config.hidden_size)
         for layer in model.model.layers:
-            layer.self_attn.o_proj = RowParallelLinear(
-                local.num_attention_heads * config.head_dim, config.hidden_size, bias=config.o_proj_bias
-            )
+            layer.self_attn.o_proj = RowParallelLinear(local.num_attention_heads * config.head_dim, config.hidden_size,
+                                                       bias=config.o_proj_bias)
             layer.mlp.down_proj = RowParallelLinear(local.intermediate_size, config.hidden_size, bias=config.mlp_bias)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)

@@ -32,10 +32,8 @@ def init_tensor_parallel(
 ) -> None:
     """Join the group of `world_size` ranks at `init_method` (e.g. "tcp://127.0.0.1:29500") as `rank`: gloo for
     tensors on the CPU, NCCL for tensors on GPUs (`device="cuda"`)."""
-    dist.init_process_group(
-        "nccl" if device == "cuda" else "gloo", init_method=init_method, rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout),
-    )
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=init_method, rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
 
 
 def destroy_tensor_parallel() -> None:

@@ -25,6 +25,7 @@ Where this lives in vLLM: `vllm/v1/engine/async_llm.py` (`AsyncLLM.generate`, `o
 """
 
 import asyncio
+import contextlib
 import threading
 import time
 import traceback
@@ -168,9 +169,8 @@ class AsyncLLM:
         prompt_text, request = self.processor.process_inputs(request_id, prompt, params, priority)
         self.output_processor.add_request(prompt_text, request)  # ValueError if the id is still in use
         collector = RequestOutputCollector(asyncio.get_running_loop())
-        live = _LiveRequest(
-            request_id, prompt_text, request.prompt_token_ids, params.n, collector, RequestStateStats(arrival_time)
-        )
+        live = _LiveRequest(request_id, prompt_text, request.prompt_token_ids, params.n, collector,
+                            RequestStateStats(arrival_time))
         self._requests[request_id] = live
         if self._dead_reason is not None:  # the core died between the check above and the registration
             self._forget(live)
@@ -263,10 +263,8 @@ class AsyncLLM:
         """The core is gone: every waiting caller raises EngineDeadError, and so will every later call."""
         self._dead_reason = reason  # set before reading the requests (see `generate`)
         for live in list(self._requests.values()):
-            try:
+            with contextlib.suppress(RuntimeError):  # that caller's event loop is closed: nobody is waiting there
                 live.collector.loop.call_soon_threadsafe(live.collector.put_error, EngineDeadError(reason))
-            except RuntimeError:
-                pass  # that caller's event loop is closed: nobody is waiting there
 
     # --- shutdown ----------------------------------------------------------------------------------------------------
 

@@ -16,13 +16,10 @@ A step (`engine_step`, below) is schedule → execute → sample → update, eac
 
 The core speaks token ids only: the front end (`LLMEngine`, `AsyncLLM`) tokenises before and detokenises after.
 A server's core runs its own loop (`EngineCoreProc.run_busy_loop`, in a process or a thread), so the event loop
-never waits for a forward pass. Each iteration: if idle, publish changed stats and block on the input queue; take
-every message already waiting (new requests join the very next step, aborts free their blocks before it); run one
-`step()` and put ONE message with its outputs and `SchedulerStats`.
-
-A request the core refuses (`add_request` raising ValueError; the front end validates first) is answered with an
-error for that id alone; any other exception, in `step()` above all, is fatal: the core sends `EngineDead` with
-the traceback and stops.
+never waits for a forward pass: new requests join the very next step, aborts free their blocks before it. A
+request the core refuses is answered with an error for that id alone (`EngineCoreProc.handle`; the front end
+validates first); any other exception, in `step()` above all, is fatal: the core sends `EngineDead` with the
+traceback and stops.
 
 Where this lives in vLLM: `vllm/v1/engine/core.py` (`EngineCore.step`, `EngineCoreProc.run_busy_loop`).
 """

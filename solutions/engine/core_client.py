@@ -8,21 +8,17 @@ matmuls release the lock. A process shares nothing but two queues, at the cost o
 SmolLM2 (fp32, 32 streaming callers, ~64 prompt and 64 output tokens each; `python -m benchmarks.engine_core` on a
 2-core AMD EPYC, 2026-11-23) the process served 1.19× the thread's tokens/s (a step: 181 ms against 242 ms).
 
-The forward pass gets one intra-op thread per core this process can get; on a shared machine the executor's
-`CpuThreadPolicy` (`solutions/worker/cpu_threads.py`) drops the threads other processes would contend for, and
-`--cpu-threads N` (or `OMP_NUM_THREADS`) fixes the count.
-
 The child is started with "spawn" (forking a process that has started threads can deadlock the child), so it
-builds its own `EngineCoreProc` from the same `VllmConfig` in a top-level function (`run_engine_core`). It ignores
-Ctrl-C: stopping the core is the front end's decision (`shutdown`), and an orphaned core exits. (vLLM forks by
-default, `VLLM_WORKER_MULTIPROC_METHOD`, and spawns once CUDA is initialised.) A child that dies without a word
-(killed, out of memory, a segfault) is noticed by `MPClient.get_output`, which waits in short slices, checks
-`process.is_alive()` between them and reports `EngineDead`.
+builds its own `EngineCoreProc` from the same `VllmConfig` in a top-level function (`run_engine_core`). (vLLM forks
+by default, `VLLM_WORKER_MULTIPROC_METHOD`, and spawns once CUDA is initialised.) A child that dies without a word
+(killed, out of memory, a segfault) is noticed by `MPClient.get_output`, which checks `process.is_alive()` between
+short waits.
 
 Where this lives in vLLM: `vllm/v1/engine/core_client.py` (`EngineCoreClient.make_client`, `MPClient`,
 `InprocClient`); vLLM's queues are ZeroMQ sockets with msgpack, ours `multiprocessing` queues with pickle.
 """
 
+import contextlib
 import multiprocessing
 import os
 import pickle
@@ -180,10 +176,8 @@ def _stop_process(process: BaseProcess, input_queue: Any, output_queue: Any) -> 
         input_queue.put((EngineCoreRequestType.SHUTDOWN, None))
         deadline = time.monotonic() + SHUTDOWN_TIMEOUT_SECONDS
         while process.is_alive() and time.monotonic() < deadline:
-            try:  # keep reading: a child blocks on exit until its last messages are out of the pipe
+            with contextlib.suppress(queue.Empty):  # keep reading: an exiting child blocks until its output is read
                 output_queue.get(timeout=POLL_SECONDS)
-            except queue.Empty:
-                pass
         process.join(POLL_SECONDS)
     if process.is_alive():
         process.terminate()
@@ -250,10 +244,8 @@ class ThreadClient(EngineCoreClient):
         self.engine_core = EngineCoreProc(vllm_config, executor_class)
         self.input_queue: queue.Queue = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()
-        self.thread = threading.Thread(
-            target=self.engine_core.run_busy_loop, args=(self.input_queue, self.output_queue), name="EngineCore",
-            daemon=True,
-        )
+        self.thread = threading.Thread(target=self.engine_core.run_busy_loop, name="EngineCore", daemon=True,
+                                       args=(self.input_queue, self.output_queue))
         self.thread.start()
 
     def get_output(self, timeout: float) -> OutputMessage | None:

@@ -68,15 +68,9 @@ class CompletionState:
 
 def check_stop_strings(text: str, num_new_chars: int, stop: list[str]) -> tuple[str, int] | None:
     """The first stop string in `text` that ends within its last `num_new_chars` characters: (it, where it starts)."""
-    hits = []
-    for s in stop:
-        position = text.find(s, max(0, len(text) - num_new_chars - len(s) + 1))
-        if position != -1:
-            hits.append((position, s))
-    if not hits:
-        return None
-    position, s = min(hits)
-    return s, position
+    starts = ((text.find(s, max(0, len(text) - num_new_chars - len(s) + 1)), s) for s in stop)
+    position, s = min(((position, s) for position, s in starts if position != -1), default=(-1, None))
+    return None if s is None else (s, position)
 
 
 class RequestState:
@@ -179,12 +173,10 @@ class RequestState:
             if len(c.token_ids) == start and c.finish_reason is None:
                 continue  # nothing new for this sample
             text_end = len(c.text) if c.finish_reason is not None else max(chars, len(c.text) - hold_back)
-            outputs.append(
-                CompletionOutput(
-                    c.index, c.text[chars:text_end], c.token_ids[start:], c.finish_reason, c.stop_reason,
-                    c.cumulative_logprob, None if c.logprobs is None else c.logprobs[start:],
-                )
-            )
+            outputs.append(CompletionOutput(
+                c.index, c.text[chars:text_end], c.token_ids[start:], c.finish_reason, c.stop_reason,
+                c.cumulative_logprob, None if c.logprobs is None else c.logprobs[start:],
+            ))
             c.num_sent_tokens, c.num_sent_chars = len(c.token_ids), text_end
             c.finish_sent = c.finish_reason is not None
         if not outputs:
@@ -193,10 +185,8 @@ class RequestState:
         if prompt_logprobs is not None and not final_only:
             prompt_logprobs = [] if self.prompt_logprobs_sent else prompt_logprobs
             self.prompt_logprobs_sent = True
-        return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished, self.num_cached_tokens,
-            prompt_logprobs,
-        )
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
+                             self.num_cached_tokens, prompt_logprobs)
 
 
 @dataclass

@@ -47,9 +47,8 @@ class Processor:
         if not isinstance(request_id, str) or not request_id:
             raise ParameterError(f"request_id must be a non-empty string, got {request_id!r}", "request_id")
         if not isinstance(params, SamplingParams):
-            raise ParameterError(
-                f"sampling_params must be a SamplingParams, got {type(params).__name__}", "sampling_params"
-            )
+            raise ParameterError("sampling_params must be a SamplingParams, "
+                                 f"got {type(params).__name__}", "sampling_params")
         self._validate_priority(priority)
         text, token_ids = self._tokenize(request_id, prompt)
         self._validate_length(request_id, token_ids, params)
@@ -92,18 +91,16 @@ class Processor:
 
     def _validate_length(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
-            raise ParameterError(
-                f"prompt of request {request_id!r} is empty: it must hold at least one token", "prompt"
-            )
+            raise ParameterError(f"prompt of request {request_id!r} is empty: it "
+                                 "must hold at least one token", "prompt")
         if len(token_ids) >= self.max_model_len:  # before the scan below: a huge prompt is refused at once
             raise ParameterError(
                 f"prompt of request {request_id!r} has {len(token_ids)} tokens; it must be shorter than "
                 f"max_model_len={self.max_model_len}", "prompt",
             )
         if (bad := next((t for t in token_ids if not 0 <= t < self.vocab_size), None)) is not None:
-            raise ParameterError(
-                f"prompt_token_ids of request {request_id!r} must lie in [0, {self.vocab_size}), found {bad}", "prompt"
-            )
+            raise ParameterError(f"prompt_token_ids of request {request_id!r} must lie in [0, "
+                                 f"{self.vocab_size}), found {bad}", "prompt")
         cache_config = self.vllm_config.cache_config
         num_blocks_needed = cdiv(min(len(token_ids) + params.max_tokens, self.max_model_len), cache_config.block_size)
         if num_blocks_needed > cache_config.num_kv_blocks:
@@ -122,13 +119,11 @@ class Processor:
                 "once; lower n or raise max_num_seqs", "n",
             )
         if params.n != 1 and self.vllm_config.cache_config.kv_reservation is not None:
-            raise ParameterError(
-                f"n must be 1 with kv_reservation (each sample would need its own reservation), got {params.n}", "n"
-            )
+            raise ParameterError("n must be 1 with kv_reservation (each sample would need its own "
+                                 f"reservation), got {params.n}", "n")
         if params.stop and self.tokenizer is None:
-            raise ParameterError(
-                "SamplingParams.stop needs a tokenizer, and this model folder has none; use stop_token_ids", "stop"
-            )
+            raise ParameterError("SamplingParams.stop needs a tokenizer, and this model folder has "
+                                 "none; use stop_token_ids", "stop")
         if params.structured_outputs is not None:
             if self.vllm_config.speculative_config is not None:
                 raise ParameterError(

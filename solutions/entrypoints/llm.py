@@ -40,10 +40,8 @@ class LLM:
         self._request_counter = 0
 
     def generate(
-        self,
-        prompts: str | list[int] | Seq[str | list[int]],
-        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-        priority: Seq[int] | None = None,
+        self, prompts: str | list[int] | Seq[str | list[int]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None, priority: Seq[int] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt (a string or a list of token ids); outputs come back in prompt order.
@@ -52,12 +50,9 @@ class LLM:
         engine exactly as it was.
         """
         prompts = _as_prompt_list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        else:
-            params = list(sampling_params)
+        sampling_params = SamplingParams() if sampling_params is None else sampling_params
+        one = isinstance(sampling_params, SamplingParams)
+        params = [sampling_params] * len(prompts) if one else list(sampling_params)
         priorities = [0] * len(prompts) if priority is None else list(priority)
         for name, given, wanted in (("sampling_params", params, "one or one per prompt"),
                                     ("priority", priorities, "one per prompt")):
@@ -82,10 +77,8 @@ class LLM:
         return [finished[request_id] for request_id, *_ in requests]
 
     def chat(
-        self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
-        sampling_params: SamplingParams | None = None,
-        use_tqdm: bool = True,
+        self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to conversations (`[{"role": "user", "content": ...}, ...]`), formatted with the
         model's chat template."""

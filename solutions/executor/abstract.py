@@ -54,9 +54,8 @@ class Executor:
 
     def load_model(self) -> torch.nn.Module:
         """This process's whole model, from the checkpoint the config names, on its device, in its dtype."""
-        config = self.vllm_config
-        model_config = config.model_config
-        return load_model(model_config.model, device=config.device_config.device, dtype=model_config.dtype)
+        model_config = self.vllm_config.model_config
+        return load_model(model_config.model, device=self.vllm_config.device_config.device, dtype=model_config.dtype)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
         """One forward pass over the step's batch: the logits (B, V), the sampling rows kept for `sample_tokens`."""

@@ -31,12 +31,7 @@ from solutions.core.sched.data_parallel_scheduler import DataParallelModelRunner
 from solutions.core.sched.output import GrammarOutput, SchedulerOutput, sampling_rows
 from solutions.executor.abstract import Executor
 from solutions.executor.worker_proc import (
-    READY_TIMEOUT_SECONDS,
-    WorkerChannel,
-    gather,
-    poll,
-    shutdown_workers,
-    start_workers,
+    READY_TIMEOUT_SECONDS, WorkerChannel, gather, poll, shutdown_workers, start_workers,
 )
 from solutions.model.loader import load_model
 from solutions.worker.model_runner import ModelRunner
@@ -79,12 +74,11 @@ class DataParallelExecutor(Executor):
         self._newly_dead: list[int] = []
         try:
             _, dead = gather(self.workers, READY_TIMEOUT_SECONDS)
+            if dead:
+                raise RuntimeError(f"data-parallel replicas {dead} died while loading the model")
         except RuntimeError:
             self._finalizer()
             raise
-        if dead:
-            self._finalizer()
-            raise RuntimeError(f"data-parallel replicas {dead} died while loading the model")
 
     def execute_model(self, scheduler_output: DataParallelSchedulerOutput) -> None:
         """Send each replica scheduled this step its part; each starts its forward pass at once. The logits stay on

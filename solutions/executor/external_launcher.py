@@ -31,8 +31,7 @@ class ExecutorWithExternalLauncher(Executor):
     def __init__(self, vllm_config: VllmConfig) -> None:
         super().__init__(vllm_config)
         tp_size = vllm_config.parallel_config.tensor_parallel_size
-        missing = [name for name in LAUNCHER_ENV if name not in os.environ]
-        if missing:
+        if missing := [name for name in LAUNCHER_ENV if name not in os.environ]:
             raise ParameterError(
                 f"distributed_executor_backend='external_launcher' runs under torchrun, which sets "
                 f"{list(LAUNCHER_ENV)}; {missing} are not set (start the script with `torchrun --nproc-per-node "
@@ -40,10 +39,8 @@ class ExecutorWithExternalLauncher(Executor):
             )
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if world_size != tp_size:
-            raise ParameterError(
-                f"tensor_parallel_size={tp_size} must equal the number of processes torchrun started "
-                f"(WORLD_SIZE={world_size})", "tensor_parallel_size",
-            )
+            raise ParameterError(f"tensor_parallel_size={tp_size} must equal the number of processes torchrun started "
+                                 f"(WORLD_SIZE={world_size})", "tensor_parallel_size")
         device = vllm_config.device_config.device  # on GPUs: this rank's own (the config chose it)
         init_tensor_parallel(rank, world_size, "env://", device=device.type)
         model = shard_model(self.load_model(), rank, world_size)

@@ -33,13 +33,7 @@ from solutions.distributed.layers import shard_model
 from solutions.distributed.parallel_state import destroy_tensor_parallel, free_port, init_tensor_parallel
 from solutions.executor.abstract import Executor, eager_on_gpu
 from solutions.executor.worker_proc import (
-    READY_TIMEOUT_SECONDS,
-    WorkerChannel,
-    WorkerProc,
-    gather,
-    shutdown_workers,
-    start_workers,
-    worker_cpus,
+    READY_TIMEOUT_SECONDS, WorkerChannel, WorkerProc, gather, shutdown_workers, start_workers, worker_cpus,
     worker_threads,
 )
 from solutions.model.llama import LlamaForCausalLM
@@ -119,9 +113,8 @@ class MultiprocExecutor(Executor):
         device = vllm_config.device_config.device
         # Spawned workers load the checkpoint themselves; forked ones are copies of this process, model included.
         source = None if start_method == "spawn" else full_model
-        self.workers = start_workers(
-            vllm_config, run_rank, lambda rank: (rank, vllm_config, init_method, source), tp_size, "tp-worker", first=1
-        )
+        self.workers = start_workers(vllm_config, run_rank, lambda rank: (rank, vllm_config, init_method, source),
+                                     tp_size, "tp-worker", first=1)
         threads = torch.get_num_threads()
         rank_zero_threads = worker_threads(
             worker_cpus(0, tp_size), tp_size, vllm_config.device_config.cpu_threads, "spawn"
@@ -132,9 +125,8 @@ class MultiprocExecutor(Executor):
             init_tensor_parallel(  # returns once every worker has joined
                 0, tp_size, init_method, parallel_state.COLLECTIVE_TIMEOUT_SECONDS, device=device.type
             )
-            self.model_runner = ModelRunner.from_config(
-                shard_model(full_model, 0, tp_size), vllm_config, **eager_on_gpu(device)
-            )
+            self.model_runner = ModelRunner.from_config(shard_model(full_model, 0, tp_size), vllm_config,
+                                                        **eager_on_gpu(device))
             _, dead = gather(dict(enumerate(self.workers, start=1)), READY_TIMEOUT_SECONDS)
             if dead:
                 raise RuntimeError(f"tensor-parallel ranks {dead} died while loading the model")

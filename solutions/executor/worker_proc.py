@@ -20,6 +20,7 @@ pipe, `worker_busy_loop`; the executor's `collective_rpc` with a timeout; `shutd
 `vllm/v1/worker/cpu_worker.py` (one OpenMP thread bound per core of the worker's slice).
 """
 
+import contextlib
 import math
 import multiprocessing
 import os
@@ -47,9 +48,7 @@ def worker_cpus(index: int, num_workers: int) -> set[int] | None:
         return None
     cpus = usable_cpus()
     share = len(cpus) // num_workers
-    if share == 0:
-        return {cpus[index % len(cpus)]}
-    return set(cpus[index * share : (index + 1) * share])
+    return {cpus[index % len(cpus)]} if share == 0 else set(cpus[index * share : (index + 1) * share])
 
 
 def worker_threads(cpus: set[int] | None, num_workers: int, cpu_threads: int | None, start_method: str) -> int:
@@ -60,8 +59,7 @@ def worker_threads(cpus: set[int] | None, num_workers: int, cpu_threads: int | N
     if cpu_threads:
         return cpu_threads
     num_cpus = len(cpus) if cpus else max(1, len(usable_cpus()) // num_workers)
-    quota = cpu_quota()
-    if quota is not None:
+    if (quota := cpu_quota()) is not None:
         num_cpus = min(num_cpus, math.floor(quota / num_workers))
     return max(1, num_cpus)
 
@@ -99,10 +97,8 @@ def worker_main(
     except EOFError:
         pass  # the engine is gone: nothing to report to
     except Exception:
-        try:
+        with contextlib.suppress(OSError):
             channel.send("error", traceback.format_exc())
-        except OSError:
-            pass
 
 
 class WorkerProc:
@@ -164,10 +160,8 @@ def start_workers(
         cpus = worker_cpus(index, num_workers)
         threads = worker_threads(cpus, num_workers, cpu_threads, start_method)
         conn, child_conn = context.Pipe()
-        process = context.Process(
-            target=worker_main, args=(child_conn, cpus, threads, body, *args_of(index)), name=f"{name}-{index}",
-            daemon=True,
-        )
+        process = context.Process(target=worker_main, args=(child_conn, cpus, threads, body, *args_of(index)),
+                                  name=f"{name}-{index}", daemon=True)
         process.start()
         child_conn.close()  # the worker holds the only other end: its death closes the pipe
         workers.append(WorkerProc(process, conn, vllm_config.cache_config.block_size))
@@ -216,10 +210,8 @@ def gather(workers: dict[int, WorkerProc], timeout: float) -> tuple[dict[int, ob
 def shutdown_workers(workers: list[WorkerProc]) -> None:
     """Tell each worker to stop (a `None` step), wait a bounded time, kill what is left."""
     for worker in workers:
-        try:
+        with contextlib.suppress(OSError):  # already gone
             worker.conn.send(None)
-        except OSError:
-            pass  # already gone
     deadline = time.monotonic() + SHUTDOWN_TIMEOUT_SECONDS
     for worker in workers:
         worker.process.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -3,13 +3,10 @@
 A freed full block stays cached in the device pool until `get_new_blocks` hands it out for other tokens (chapter
 4); the pool reports that eviction (`on_evict`), and when the step's batch is decided (`take_transfers`),
 `prepare_store` copies each evicted block to a host block registered under the same hash. The host pool is a
-`BlockPool` too, so its free queue makes it LRU. At admission, after the device's own lookup, `lookup` counts how
-many of the prompt's next blocks the host holds and `touch` marks them used; the scheduler allocates device blocks
-for them and `prepare_load` copies them back instead of recomputing them.
-
-A host block a step reads or writes is held (`ref_cnt` 1) from `prepare_load` or `prepare_store` until the step's
-output comes back (`complete_transfers`), so no store overwrites it first; stores are prepared after every load is
-held. The copies leave in the `SchedulerOutput`; the runner makes the stores before the loads.
+`BlockPool` too, so its free queue makes it LRU. At admission, past the device's own hits,
+`get_num_new_matched_tokens` counts the host's and `prepare_load` copies them back instead of recomputing them.
+A host block a step reads or writes is held (`ref_cnt` 1) until the step has run (`complete_transfers`), so no
+store overwrites it first. The copies leave in the `SchedulerOutput`; the runner makes the stores before the loads.
 
 Where this lives in vLLM: `vllm/v1/kv_offload/cpu/manager.py` (`CPUOffloadingManager`: `lookup`, `prepare_load`,
 `touch`, `complete_load`, `prepare_store`, `complete_store`; LRU in `cpu/policies/lru.py`). vLLM stores every new
@@ -48,34 +45,30 @@ class CPUOffloadingManager:
 
     def lookup(self, block_hashes: list[bytes]) -> int:
         """How many of these chained hashes, from the first, the host holds (the first miss ends the run)."""
-        num_hits = 0
-        for block_hash in block_hashes:
-            if self.host_pool.get_cached_block(block_hash) is None:
-                break
-            num_hits += 1
-        return num_hits
+        misses = (i for i, block_hash in enumerate(block_hashes) if self.host_pool.get_cached_block(block_hash) is None)
+        return next(misses, len(block_hashes))
 
     def touch(self, block_hashes: list[bytes]) -> None:
         """Mark the host blocks under these hashes (a prefix's run, first block first) most recently used: an unheld
         one moves to the LRU tail, the prefix's first block last (evicted last). Holds nothing."""
         for block_hash in reversed(block_hashes):
-            block = self.host_pool.get_cached_block(block_hash)
-            if block is None:
-                raise RuntimeError(f"block hash {block_hash[:4].hex()}… is not on the host; look it up first")
-            if block.ref_cnt == 0:
+            if (block := self._host_block(block_hash)).ref_cnt == 0:
                 self.host_pool.free_block_queue.remove(block)
                 self.host_pool.free_block_queue.append(block)
 
     def prepare_load(self, block_hashes: list[bytes], device_block_ids: list[int]) -> None:
         """Load the host blocks under `block_hashes` into these device blocks; each is held until the step has run."""
         for block_hash, device_block_id in zip(block_hashes, device_block_ids, strict=True):
-            host = self.host_pool.get_cached_block(block_hash)
-            if host is None:
-                raise RuntimeError(f"block hash {block_hash[:4].hex()}… is not on the host; look it up first")
+            host = self._host_block(block_hash)
             self.host_pool.touch([host])
             self._held.append(host)
             self._loads.append((host.block_id, device_block_id))
         self.stats.num_blocks_loaded += len(device_block_ids)
+
+    def _host_block(self, block_hash: bytes) -> KVCacheBlock:
+        if (block := self.host_pool.get_cached_block(block_hash)) is None:
+            raise RuntimeError(f"block hash {block_hash[:4].hex()}… is not on the host; look it up first")
+        return block
 
     def queue_store(self, device_block_id: int, host: KVCacheBlock) -> None:
         """Copy device block `device_block_id` into `host` (taken and registered by the caller) before this step's

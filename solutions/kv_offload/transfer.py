@@ -25,10 +25,8 @@ def allocate_host_cache(
     up front."""
     shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
     pin = device.type == "cuda" and torch.cuda.is_available()
-    return KVCache(
-        [torch.empty(shape, dtype=dtype, pin_memory=pin) for _ in range(config.num_hidden_layers)],
-        [torch.empty(shape, dtype=dtype, pin_memory=pin) for _ in range(config.num_hidden_layers)],
-    )
+    return KVCache([torch.empty(shape, dtype=dtype, pin_memory=pin) for _ in range(config.num_hidden_layers)],
+                   [torch.empty(shape, dtype=dtype, pin_memory=pin) for _ in range(config.num_hidden_layers)])
 
 
 def swap_blocks(src: KVCache, dst: KVCache, pairs: list[tuple[int, int]]) -> None:

@@ -91,9 +91,8 @@ class EngineStats:
             total = getattr(self, f.name)
             if isinstance(total, int) and hasattr(scheduler_stats, f.name):
                 setattr(self, f.name, total + getattr(scheduler_stats, f.name))
-        self.num_accepted_tokens_per_pos = add_per_pos(
-            self.num_accepted_tokens_per_pos, scheduler_stats.num_accepted_tokens_per_pos
-        )
+        self.num_accepted_tokens_per_pos = add_per_pos(self.num_accepted_tokens_per_pos,
+                                                       scheduler_stats.num_accepted_tokens_per_pos)
         self.batch_sizes.append(scheduler_stats.num_scheduled_seqs)
         self.peak_blocks_used = max(self.peak_blocks_used, scheduler_stats.num_blocks_used)
         self.steps.append(scheduler_stats)

@@ -24,7 +24,7 @@ from itertools import accumulate
 
 import torch
 
-from solutions.sample.sampler import apply_top_k_top_p_min_p
+from solutions.sample.sampler import apply_top_k_top_p_min_p, inverse_cdf
 from solutions.sampling_params import SamplingParams
 
 
@@ -39,18 +39,14 @@ def _check_inputs(
             raise ValueError(f"{name} must have one entry per sequence ({num_seqs}), got {len(value)}")
     num_rows = sum(len(draft) + 1 for draft in draft_token_ids)
     if target_logits.ndim != 2 or target_logits.shape[0] != num_rows:
-        raise ValueError(
-            f"target_logits must be (sum of (k_i + 1) = {num_rows}, V), got {tuple(target_logits.shape)}"
-        )
+        raise ValueError(f"target_logits must be (sum of (k_i + 1) = {num_rows}, V), got {tuple(target_logits.shape)}")
     vocab_size = target_logits.shape[1]
     for i, draft in enumerate(draft_token_ids):
         if any(not 0 <= t < vocab_size for t in draft):
             raise ValueError(f"draft_token_ids[{i}] must be token ids in [0, {vocab_size}), got {draft}")
         if draft_probs is not None and draft_probs[i] is not None and draft_probs[i].shape != (len(draft), vocab_size):
-            raise ValueError(
-                f"draft_probs[{i}] must be (k_i = {len(draft)}, V = {vocab_size}) or None, "
-                f"got {tuple(draft_probs[i].shape)}"
-            )
+            raise ValueError(f"draft_probs[{i}] must be (k_i = {len(draft)}, V = {vocab_size}) or None, "
+                             f"got {tuple(draft_probs[i].shape)}")
 
 
 def rejection_greedy_sample(target_argmax: list[int], draft_token_ids: list[int]) -> list[int]:
@@ -60,13 +56,6 @@ def rejection_greedy_sample(target_argmax: list[int], draft_token_ids: list[int]
     while accepted < len(draft_token_ids) and draft_token_ids[accepted] == target_argmax[accepted]:
         accepted += 1
     return draft_token_ids[:accepted] + [target_argmax[accepted]]
-
-
-def inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Per row of non-negative weights (B, V), the token whose cumulative weight first exceeds uniform * total."""
-    cdf = weights.cumsum(dim=-1)  # (B, V)
-    choice = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).squeeze(1)  # (B,)
-    return choice.clamp(max=weights.shape[-1] - 1)  # guard the float edge u * total == total
 
 
 def rejection_random_sample(

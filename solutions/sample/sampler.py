@@ -156,6 +156,13 @@ class SamplerOutput:
     sampled_logprobs: list[tuple[float, int]]  # per row: the sampled token's (logprob, rank among all tokens)
 
 
+def inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Per row of non-negative weights (B, V), the token whose cumulative weight first exceeds uniform * total."""
+    cdf = weights.cumsum(dim=-1)  # (B, V)
+    choice = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).squeeze(1)  # (B,)
+    return choice.clamp(max=weights.shape[-1] - 1)  # guard the float edge u * total == total
+
+
 def process_logits(
     logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]] | None = None,
     num_prompt_tokens: list[int] | None = None, eos_token_id: int | None = None,
@@ -196,9 +203,7 @@ def sample(
         with device:  # factory calls in the filters (a rank `torch.arange`) make their tensors beside the logits
             probs = torch.softmax(apply_top_k_top_p_min_p(rows, top_k, top_p, min_p), dim=-1)  # (Bs, V)
         uniform = torch.stack([torch.rand((), generator=generators[b]) for b in sampled]).to(device)  # (Bs,) host draws
-        cdf = probs.cumsum(dim=-1)  # (Bs, V)
-        choice = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).squeeze(1)  # (Bs,)
-        next_ids[sampled] = choice.clamp(max=vocab_size - 1)  # guard the float edge u * total == total
+        next_ids[sampled] = inverse_cdf(probs, uniform)  # (Bs,)
     token_list = next_ids.tolist()
 
     logprobs: list[list[tuple[int, float]] | None] = [None] * len(params)

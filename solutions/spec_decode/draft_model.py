@@ -21,6 +21,7 @@ Where this lives in vLLM: `vllm/v1/spec_decode/draft_model.py` (`DraftModelPropo
 separate checkpoint with its own paged KV cache). `num_draft_layers` (the self-speculative draft) is ours.
 """
 
+import itertools
 import time
 
 import torch
@@ -124,9 +125,7 @@ class DraftModelProposer:
     def _step(self, caches: list[DraftKVCache], feeds: list[list[int]]) -> list[int]:
         """Read each sequence's `feeds` tokens (appended to its cache) through the draft's L layers; return each
         sequence's greedy next token, from its last row."""
-        starts = [0]
-        for feed in feeds:
-            starts.append(starts[-1] + len(feed))
+        starts = [0, *itertools.accumulate(len(feed) for feed in feeds)]
         device = self.model.lm_head.weight.device
         input_ids = torch.tensor([t for feed in feeds for t in feed], device=device)  # (T,)
         ranges = []
@@ -146,6 +145,5 @@ class DraftModelProposer:
 
     def _new_cache(self) -> DraftKVCache:
         config, weight = self.model.config, self.model.lm_head.weight
-        return DraftKVCache(
-            self.num_draft_layers, config.num_key_value_heads, config.head_dim, weight.dtype, weight.device
-        )
+        return DraftKVCache(self.num_draft_layers, config.num_key_value_heads, config.head_dim, weight.dtype,
+                            weight.device)

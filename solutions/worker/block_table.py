@@ -91,8 +91,7 @@ class BlockTable:
             if entries[i] != table[i]:
                 entries[i] = table[i]
                 self.num_block_writes += 1
-        for i in range(num_old, num_new):
-            entries[i] = table[i]
+        entries[num_old:num_new] = table[num_old:num_new]
         self.num_block_writes += max(num_new - num_old, 0)
         entries[num_new:num_old] = 0  # a table that shrank (blocks handed back)
         self.num_blocks[row] = num_new

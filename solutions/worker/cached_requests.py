@@ -26,7 +26,7 @@ import torch
 
 from solutions.core.sched.output import SchedulerOutput
 from solutions.core.sched.scheduler import advance_computed_tokens
-from solutions.core.sequence import FINISHED_STATUSES, Sequence, SequenceStatus
+from solutions.core.sequence import Sequence, SequenceStatus
 from solutions.sampling_params import SamplingParams
 
 
@@ -90,13 +90,11 @@ class StepEncoder:
     def encode(self, out: SchedulerOutput, generators: bool = False) -> StepDelta:
         """The step as `out` describes it, in terms of what the worker already holds; with `generators`, the
         generator states of the drawing (not greedy) sequences it holds for the first time travel too."""
-        finished = [seq_id for seq_id, (seq, _) in self.sent.items() if seq.status in FINISHED_STATUSES]
+        finished = [seq_id for seq_id, (seq, _) in self.sent.items() if seq.is_finished]
         for seq_id in finished:
             del self.sent[seq_id]
-        delta = StepDelta(
-            dataclasses.replace(out, scheduled_seqs=[], forked_seqs={}), finished_seq_ids=finished,
-            batch_order=[seq.seq_id for seq in out.scheduled_seqs],
-        )
+        delta = StepDelta(dataclasses.replace(out, scheduled_seqs=[], forked_seqs={}), finished_seq_ids=finished,
+                          batch_order=[seq.seq_id for seq in out.scheduled_seqs])
         rewrite = {*out.new_seq_ids, *out.resumed_seq_ids, *out.swapped_in_seq_ids}  # their tables are new
         cached, first_seen = delta.cached_reqs, []
         for seq, start in zip(out.scheduled_seqs, out.num_computed_tokens, strict=True):
@@ -104,9 +102,8 @@ class StepEncoder:
             if sent is None:
                 first_seen.append(seq)
             if sent is None or seq.seq_id in rewrite:
-                delta.new_reqs.append(NewRequestData(
-                    seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, list(seq.block_table), seq.sampling_params
-                ))
+                delta.new_reqs.append(NewRequestData(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens,
+                                                     list(seq.block_table), seq.sampling_params))
             else:
                 first = start // self.block_size
                 cached.seq_ids.append(seq.seq_id)
@@ -159,13 +156,10 @@ class CachedRequests:
         advance_computed_tokens(out)
         for parent_id, child_ids in delta.forks:
             parent = self.seqs[parent_id]
-            children = []
             for child_id in child_ids:
-                child = parent.fork(child_id)
-                child.block_table = list(parent.block_table)  # shared blocks, as the KV cache manager's fork
-                self.seqs[child_id] = child
-                children.append(child)
-            out.forked_seqs[parent_id] = children
+                self.seqs[child_id] = parent.fork(child_id)
+                self.seqs[child_id].block_table = list(parent.block_table)  # shared, as the KV cache manager's fork
+            out.forked_seqs[parent_id] = [self.seqs[child_id] for child_id in child_ids]
         for seq_id, state in delta.generator_states.items():
             self.seqs[seq_id].generator = load_state(torch.Generator(), state)
         return out

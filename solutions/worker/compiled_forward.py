@@ -66,9 +66,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int)
     context = _forward_context[-1]
     n = context.num_tokens
     out = context.backend.forward(layer_idx, q[:n], k[:n], v[:n])
-    if n == q.shape[0]:
-        return out
-    return torch.cat([out, out.new_zeros(q.shape[0] - n, *out.shape[1:])])
+    return out if n == q.shape[0] else torch.cat([out, out.new_zeros(q.shape[0] - n, *out.shape[1:])])
 
 
 @attention.register_fake

@@ -45,9 +45,7 @@ _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 def usable_cpus() -> list[int]:
     """The CPUs this process may run on (its affinity mask)."""
-    if hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
-    return list(range(os.cpu_count() or 1))
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
 def cpu_quota(path: str = "/sys/fs/cgroup/cpu.max") -> float | None:

@@ -20,7 +20,7 @@ Where this lives in vLLM: `vllm/v1/worker/gpu_model_runner.py` (`capture_model`,
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -41,12 +41,7 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     most doubles a batch's rows, which a small model's launch-bound decode step barely notices."""
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
-    sizes = [1]
-    while sizes[-1] * 2 < max_num_seqs:
-        sizes.append(sizes[-1] * 2)
-    if sizes[-1] != max_num_seqs:
-        sizes.append(max_num_seqs)
-    return sizes
+    return [1 << i for i in range((max_num_seqs - 1).bit_length())] + [max_num_seqs]
 
 
 def bucket_for(num_seqs: int, sizes: list[int]) -> int | None:
@@ -123,9 +118,8 @@ class CUDAGraphRunner:
 
     def _forward(self, num_rows: int) -> None:
         """The decode forward pass over the first `num_rows` rows of the static buffers."""
-        backend = TritonAttentionBackend.for_decode(
-            self.kv_cache, self.slot_mapping[:num_rows], self.block_tables[:num_rows], self.seq_lens[:num_rows]
-        )
+        backend = TritonAttentionBackend.for_decode(self.kv_cache, self.slot_mapping[:num_rows],
+                                                    self.block_tables[:num_rows], self.seq_lens[:num_rows])
         input_ids, positions = self.input_ids[:num_rows], self.positions[:num_rows]
         self.output[:num_rows] = self.forward_logits(input_ids, positions, self.rows[:num_rows], backend)
 
@@ -155,12 +149,8 @@ class CUDAGraphRunner:
         num_seqs = input_ids.shape[0]
         size = bucket_for(num_seqs, self.sizes)
         padded = pad_decode_batch(input_ids, positions, metadata, size, self.max_blocks)
-        for static, value in (
-            (self.input_ids, padded.input_ids), (self.positions, padded.positions),
-            (self.slot_mapping, padded.slot_mapping), (self.seq_lens, padded.seq_lens),
-            (self.block_tables, padded.block_tables),
-        ):
-            static[:size].copy_(value, non_blocking=True)
+        for field in fields(padded):  # each static buffer is named as the padded batch's field it takes
+            getattr(self, field.name)[:size].copy_(getattr(padded, field.name), non_blocking=True)
         if size in self.graphs:
             self.graphs[size].replay()
         else:

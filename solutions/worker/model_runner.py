@@ -24,6 +24,7 @@ Where this lives in vLLM: `vllm/v1/worker/gpu_model_runner.py` (`_prepare_inputs
 `sample_tokens`, `propose_draft_token_ids`, `take_draft_token_ids`).
 """
 
+import itertools
 import time
 from typing import TYPE_CHECKING
 
@@ -79,9 +80,7 @@ def prepare_inputs(
     return torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), metadata
 
 
-def prompt_logprobs_rows(
-    scheduler_output: SchedulerOutput,
-) -> tuple[list[int], list[tuple[int, int, list[int], int]]]:
+def prompt_logprobs_rows(scheduler_output: SchedulerOutput) -> tuple[list[int], list[tuple[int, int, list[int], int]]]:
     """The flat-batch rows whose logits give prompt logprobs this step, and per such sequence (seq_id, the prompt
     position its first logprob is for, the prompt tokens those rows predict, its `prompt_logprobs`).
 
@@ -140,9 +139,8 @@ def build_drafter(model: LlamaForCausalLM, config: SpeculativeConfig) -> Propose
     """The proposer of `config.method`: the n-gram one looped over the batch, or the target's first layers."""
     if config.method == "draft_model":
         return DraftModelProposer(model, config.num_draft_layers, config.num_speculative_tokens)
-    return PerSequenceProposer(
-        NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens)
-    )
+    ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens)
+    return PerSequenceProposer(ngram)
 
 
 class ModelRunner:
@@ -168,14 +166,11 @@ class ModelRunner:
         self.device, self.dtype = weight.device, weight.dtype
         self.kv_cache = KVCache.allocate(model.config, num_blocks, block_size, dtype=self.dtype, device=self.device)
         # chapter 11: host memory for swapped-out sequences and for the prefix cache's second tier (None: off)
-        self.swap_cache = self.offload_cache = None
+        self.swap_cache, self.offload_cache = (
+            allocate_host_cache(model.config, n, block_size, self.dtype, self.device) if n else None
+            for n in (num_swap_blocks, num_offload_blocks)
+        )
         self.kv_transfer = KVTransfer(self.device)  # their copies: on a stream of their own on a GPU
-        if num_swap_blocks:
-            self.swap_cache = allocate_host_cache(model.config, num_swap_blocks, block_size, self.dtype, self.device)
-        if num_offload_blocks:
-            self.offload_cache = allocate_host_cache(
-                model.config, num_offload_blocks, block_size, self.dtype, self.device
-            )
         # the step's block tables as kernels take them, kept from step to step: a step writes only what changed
         self.block_table = BlockTable(block_size, max_num_seqs or 8, max_model_len or 256)
         self.cuda_graphs = None
@@ -188,9 +183,8 @@ class ModelRunner:
             if self.device.type == "cuda" and max_num_seqs and max_model_len:
                 from solutions.worker.cuda_graph import CUDAGraphRunner  # imports Triton: only when asked
 
-                self.cuda_graphs = CUDAGraphRunner(
-                    model, self.kv_cache, max_num_seqs, max_model_len, block_size, self.forward_logits
-                )
+                self.cuda_graphs = CUDAGraphRunner(model, self.kv_cache, max_num_seqs, max_model_len, block_size,
+                                                   self.forward_logits)
 
     @classmethod
     def from_config(cls, model: LlamaForCausalLM, vllm_config: VllmConfig, **overrides: object) -> "ModelRunner":
@@ -271,9 +265,8 @@ class ModelRunner:
                 seq_ids, [seq.token_ids + new for seq, new in zip(seqs, sampled_token_ids, strict=True)]
             ))
         seconds["sample"] = time.perf_counter() - start
-        return ModelRunnerOutput(
-            seq_ids, sampled_token_ids, logprobs, seconds, compute_prompt_logprobs(prompt_logits, prompt_chunks)
-        )
+        return ModelRunnerOutput(seq_ids, sampled_token_ids, logprobs, seconds,
+                                 compute_prompt_logprobs(prompt_logits, prompt_chunks))
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         """The drafts proposed after the last sampling (None without speculation, or once taken)."""
@@ -297,9 +290,7 @@ class ModelRunner:
         logprobs: list = [None] * len(seqs)
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         if wanted:  # the target's raw logprobs at the rows whose tokens were kept
-            first_row = [0]
-            for draft in drafts:
-                first_row.append(first_row[-1] + len(draft) + 1)
+            first_row = [0, *itertools.accumulate(len(draft) + 1 for draft in drafts)]
             rows = [first_row[i] + j for i in wanted for j in range(len(sampled_token_ids[i]))]
             gathered = gather_logprobs(
                 torch.log_softmax(logits[rows].float(), dim=-1), [t for i in wanted for t in sampled_token_ids[i]],
@@ -372,14 +363,10 @@ class ModelRunner:
             ([2, 17], [0, 1, 2], [3, 2], [[0], [1]]),
         ]
         for slots, starts, seq_lens, tables in steps:
-            metadata = AttentionMetadata(
-                slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts), seq_lens=torch.tensor(seq_lens),
-                block_tables=tables,
-            )
+            metadata = AttentionMetadata(slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts),
+                                         seq_lens=torch.tensor(seq_lens), block_tables=tables)
             positions = torch.cat([torch.arange(n - (e - s), n) for s, e, n in zip(starts, starts[1:], seq_lens)])
-            input_ids = torch.zeros(len(slots), dtype=torch.long)
+            input_ids = torch.zeros(len(slots), dtype=torch.long, device=self.device)
             backend = self.backend_cls(self.kv_cache, metadata)
-            last_rows = metadata.query_start_loc[1:] - 1
-            self.compiled_forward(
-                input_ids.to(self.device), positions.to(self.device), last_rows.to(self.device), backend
-            )
+            last_rows = (metadata.query_start_loc[1:] - 1).to(self.device)
+            self.compiled_forward(input_ids, positions.to(self.device), last_rows, backend)

@@ -49,9 +49,7 @@ class ReplicaState:
     def kv_cache_usage(self) -> float:
         """The share of its pool in use, `1 - num_free_blocks / num_blocks`, as vLLM's `BlockPool.get_usage`; 0.0 (no KV
         pressure) for a state built without its pool's size."""
-        if self.num_blocks is None:
-            return 0.0
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return 0.0 if self.num_blocks is None else 1.0 - self.num_free_blocks / self.num_blocks
 
     @property
     def load(self) -> float:
@@ -105,12 +103,8 @@ class LeastLoadedPolicy(PlacementPolicy):
 
 
 class PrefixAwarePolicy(PlacementPolicy):
-    """The longest cached prefix, exactly, under a load cap; ties and near-ties by load.
-
-    A replica is a candidate if its load is at most the smallest load + `load_cap`; among candidates, those within
-    `near_tie_blocks` cached blocks of the best count as equally good (a block or two of prefill is cheaper than a
-    queue), and the least loaded of them wins. With nothing cached anywhere this is `least_loaded`.
-    """
+    """The longest cached prefix, exactly, under a load cap; ties and near-ties by load (`place_by_prefix`): a block
+    or two of prefill is cheaper than a queue. With nothing cached anywhere this is `least_loaded`."""
 
     def __init__(self, load_cap: int = 4, near_tie_blocks: int = 1) -> None:
         if load_cap < 0 or near_tie_blocks < 0:
@@ -215,12 +209,8 @@ class ApproxPrefixPolicy(PlacementPolicy):
 
 def create_placement_policy(name: str, num_replicas: int) -> PlacementPolicy:
     """The policy `data_parallel_placement` names (validated by `EngineArgs`)."""
-    if name == "round_robin":
-        return RoundRobinPolicy()
-    if name == "least_loaded":
-        return LeastLoadedPolicy(num_replicas)
-    if name == "prefix":
-        return PrefixAwarePolicy()
-    if name == "approx_prefix":
-        return ApproxPrefixPolicy(num_replicas)
-    raise ValueError(f"data_parallel_placement must be one of {PLACEMENT_POLICIES}, got {name!r}")
+    policies = {"round_robin": RoundRobinPolicy, "least_loaded": lambda: LeastLoadedPolicy(num_replicas),
+                "prefix": PrefixAwarePolicy, "approx_prefix": lambda: ApproxPrefixPolicy(num_replicas)}
+    if name not in policies:
+        raise ValueError(f"data_parallel_placement must be one of {PLACEMENT_POLICIES}, got {name!r}")
+    return policies[name]()

@@ -8,24 +8,16 @@ started), then waiting ones in the queue's order. A long prompt is thus prefille
 sequences keep decoding beside it (chunked prefill).
 
 When the KV cache manager has no block for a running sequence, the scheduler preempts by recompute
-(`allocate_or_preempt`): `select_victim` names the sequence that gives its memory up — the last to start running
-(FCFS), or the lowest priority, latest arrival (PRIORITY) — which leaves the step's batch, frees its blocks, resets
-to 0 computed tokens and goes back to the front of the waiting queue with its tokens kept. It repeats until the
-allocation succeeds or the victim is the sequence itself; no waiting sequence is admitted in a step that preempted.
-Chapter 11's `SwappingScheduler` may swap a victim's group out instead. With the prefix cache's host tier
-(`kv_offloading_size`), blocks an admitted sequence finds on the host are loaded instead of computed.
+(`allocate_or_preempt`, the victim named by `select_victim`) until the allocation succeeds or the victim is the
+sequence itself; no waiting sequence is admitted in a step that preempted. Chapter 11's `SwappingScheduler` may swap
+a victim's group out instead; with the prefix cache's host tier (`kv_offloading_size`), blocks an admitted sequence
+finds on the host are loaded instead of computed.
 
-The scheduler is the one writer of a sequence's progress: `_update_after_schedule` advances every scheduled
-sequence's `num_computed_tokens` (the `SchedulerOutput` keeps where they start) and forks the samples of an `n > 1`
-request whose prompt this step completes, so the batch never changes after `schedule()` returns. After the forward
-pass, `update_from_output` appends each sampled token, advances its grammar, checks the stop conditions, frees what
-finished, and answers with one `EngineCoreOutput` per sample and the step's `SchedulerStats`.
+The scheduler is the one writer of a sequence's progress (`_update_after_schedule`), so the batch never changes
+after `schedule()` returns; after the forward pass, `update_from_output` takes the sampled tokens back.
 
-Speculative decoding: a decoding sequence with drafts (`seq.spec_token_ids`, from `update_draft_token_ids`)
-schedules its newest token and as many drafts as `num_scheduled_spec_tokens` admits, with slots for all. The runner
-returns the accepted ones plus one more; `update_from_output` then hands back the rest
-(`hand_back_rejected_drafts`): `num_computed_tokens` comes back to the verified positions, the blocks they filled
-are registered in the prefix cache, and blocks only rejected drafts used stay for the next drafts.
+Speculative decoding: a decoding sequence with drafts schedules its newest token and as many drafts as
+`num_scheduled_spec_tokens` admits; `update_from_output` hands back the rejected ones (`hand_back_rejected_drafts`).
 
 The module is split so that each idea can be read (and, in chapter 5, written) on its own: `SchedulerBase` holds
 the queues and the bookkeeping, `select_victim` is who gives memory up, `allocate_or_preempt` when, and `Scheduler`
@@ -73,15 +65,9 @@ class SchedulerBase:
     """
 
     def __init__(
-        self,
-        kv_cache_manager: KVCacheManager,
-        *,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        long_prefill_token_threshold: int,
-        policy: SchedulingPolicy = SchedulingPolicy.FCFS,
-        max_model_len: int | None = None,
-        eos_token_id: int | None = None,
+        self, kv_cache_manager: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+        long_prefill_token_threshold: int, policy: SchedulingPolicy = SchedulingPolicy.FCFS,
+        max_model_len: int | None = None, eos_token_id: int | None = None,
         structured_output_manager: "StructuredOutputManager | None" = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
@@ -119,9 +105,8 @@ class SchedulerBase:
         cache = vllm_config.cache_config
         module_name, _, class_name = cache.kv_cache_manager_cls.rpartition(".")
         manager_cls = getattr(importlib.import_module(module_name), class_name)
-        manager = manager_cls(
-            cache.num_kv_blocks, cache.block_size, cache.enable_prefix_caching, **cache.kv_cache_manager_kwargs
-        )
+        manager = manager_cls(cache.num_kv_blocks, cache.block_size, cache.enable_prefix_caching,
+                              **cache.kv_cache_manager_kwargs)
         if cache.num_offload_blocks:
             manager.enable_offloading(cache.num_offload_blocks)
         return manager
@@ -250,17 +235,14 @@ class SchedulerBase:
         offloading = self.kv_cache_manager.offloading
         if offloading is None or seq.skip_reading_prefix_cache:
             return 0
-        return get_num_new_matched_tokens(
-            offloading, seq.block_hashes, seq.num_tokens, num_cached_tokens, self.kv_cache_manager.block_size
-        )
+        return get_num_new_matched_tokens(offloading, seq.block_hashes, seq.num_tokens, num_cached_tokens,
+                                          self.kv_cache_manager.block_size)
 
     def _load_offloaded(self, seq: Sequence, num_cached_tokens: int, num_external: int) -> None:
         """Load the host tier's hits into the device blocks just allocated for them."""
         if num_external:
-            update_state_after_alloc(
-                self.kv_cache_manager.offloading, seq.block_hashes, seq.block_table, num_cached_tokens, num_external,
-                self.kv_cache_manager.block_size,
-            )
+            update_state_after_alloc(self.kv_cache_manager.offloading, seq.block_hashes, seq.block_table,
+                                     num_cached_tokens, num_external, self.kv_cache_manager.block_size)
 
     def _update_after_schedule(self, out: SchedulerOutput) -> None:
         """The batch is decided: advance each scheduled sequence past its scheduled tokens — the one place a
@@ -339,9 +321,8 @@ class SchedulerBase:
                 seq.append_token(token_id)
                 new_token_ids.append(token_id)
                 if seq.grammar is not None and not seq.grammar.accept_tokens([token_id]):
-                    raise RuntimeError(
-                        f"sequence {seq.seq_id} sampled token {token_id}, which its grammar's mask forbids"
-                    )
+                    raise RuntimeError(f"sequence {seq.seq_id} sampled token {token_id}, "
+                                       "which its grammar's mask forbids")
                 if (stopped := check_stop(seq, self.eos_token_id, self.max_model_len)) is not None:
                     break
             finish_reason, stop_reason = None, None
@@ -388,10 +369,8 @@ class SchedulerBase:
         cache_stats, manager = self.kv_cache_manager.prefix_cache_stats, self.kv_cache_manager
         queries, hits = cache_stats.queries - self._reported_queries, cache_stats.hits - self._reported_hits
         self._reported_queries, self._reported_hits = cache_stats.queries, cache_stats.hits
-        stats = SchedulerStats(
-            len(self.running), len(self.waiting), manager.num_used_blocks, manager.num_used_blocks / manager.num_blocks,
-            queries, hits, seconds=seconds or {},
-        )
+        stats = SchedulerStats(len(self.running), len(self.waiting), manager.num_used_blocks,
+                               manager.num_used_blocks / manager.num_blocks, queries, hits, seconds=seconds or {})
         stats.num_swapped = sum(len(group) for group in self.swapped)
         if (offloading := manager.offloading) is not None:
             queries, hits = offloading.stats.queries, offloading.stats.hits
@@ -519,9 +498,8 @@ class Scheduler(SchedulerBase):
             seq = self.waiting.peek()
             computed_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(seq)
             num_external = self._get_num_offloaded_tokens(seq, num_cached_tokens)  # the host tier's hits (chapter 11)
-            num_new_tokens = min(
-                seq.num_tokens - num_cached_tokens - num_external, budget, self.long_prefill_token_threshold
-            )
+            num_new_tokens = min(seq.num_tokens - num_cached_tokens - num_external, budget,
+                                 self.long_prefill_token_threshold)
             seq_copies = self.kv_cache_manager.allocate_slots(seq, num_external + num_new_tokens, computed_blocks)
             if seq_copies is None:
                 break  # it waits for memory; nobody behind it jumps the line

@@ -67,9 +67,7 @@ class SwappingScheduler(Scheduler):
     def group_of(self, seq: Sequence) -> list[Sequence]:
         """`seq`'s sequence group: the running samples of its request, in running order (just `seq` for a sequence
         made by hand, without a request)."""
-        if seq.request_id is None:
-            return [seq]
-        return [s for s in self.running if s.request_id == seq.request_id]
+        return [seq] if seq.request_id is None else [s for s in self.running if s.request_id == seq.request_id]
 
     def _preempt_by_recompute(
         self, group: list[Sequence], out: SchedulerOutput, copies: dict[int, list[tuple[int, int]]]

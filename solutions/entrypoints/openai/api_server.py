@@ -41,13 +41,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from solutions.engine.arg_utils import AsyncEngineArgs, engine_args_from_kwargs
 from solutions.engine.async_llm import AsyncLLM, EngineDeadError
 from solutions.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    ModelCard,
-    ModelList,
-    RequestError,
-    TokenizeRequest,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList, RequestError, TokenizeRequest,
 )
 from solutions.entrypoints.openai.serving_chat import OpenAIServingChat
 from solutions.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -264,9 +258,7 @@ def _serve_in_thread(engine_args: AsyncEngineArgs, host: str, startup_timeout: f
 
 
 @contextlib.contextmanager
-def _serve_in_subprocess(
-    engine_args: AsyncEngineArgs, host: str, startup_timeout: float
-) -> Iterator[BackgroundServer]:
+def _serve_in_subprocess(engine_args: AsyncEngineArgs, host: str, startup_timeout: float) -> Iterator[BackgroundServer]:
     with _free_socket(host) as sock:  # a port free now; released just before the server binds it
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "solutions.serve", "--host", host, "--port", str(port), "--log-level", "warning",

@@ -14,9 +14,8 @@ from solutions.engine.arg_utils import AsyncEngineArgs
 
 
 def make_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m solutions.serve", description="An OpenAI-compatible server (completions, chat, streaming)."
-    )
+    parser = argparse.ArgumentParser(prog="python -m solutions.serve",
+                                     description="An OpenAI-compatible server (completions, chat, streaming).")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))

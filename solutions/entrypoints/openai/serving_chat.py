@@ -21,27 +21,11 @@ from starlette.responses import Response
 from transformers import PreTrainedTokenizerBase
 
 from solutions.entrypoints.openai.protocol import (
-    ChatChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatLogProb,
-    ChatLogProbs,
-    ChatLogProbsContent,
-    ChatMessage,
-    ChatStreamChoice,
-    DeltaMessage,
-    RequestError,
-    TokenizeRequest,
-    UsageInfo,
+    ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogProb, ChatLogProbs,
+    ChatLogProbsContent, ChatMessage, ChatStreamChoice, DeltaMessage, RequestError, TokenizeRequest, UsageInfo,
 )
 from solutions.entrypoints.openai.serving_engine import (
-    OpenAIServing,
-    finish_reason_of,
-    sse_event,
-    sse_events,
-    token_text,
-    usage_of,
+    OpenAIServing, finish_reason_of, sse_event, sse_events, token_text, usage_of,
 )
 from solutions.outputs import CompletionOutput, RequestOutput
 
@@ -116,9 +100,8 @@ class OpenAIServingChat(OpenAIServing):
     ) -> AsyncGenerator[str, None]:
         def chunk(choice: ChatStreamChoice | None, usage: UsageInfo | None = None) -> str:
             choices = [] if choice is None else [choice]
-            return sse_event(ChatCompletionChunk(
-                id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
-            ))
+            return sse_event(ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices,
+                                                 usage=usage))
 
         def events(_: int, output: RequestOutput, usage: UsageInfo | None) -> list[str]:
             return [

@@ -20,20 +20,10 @@ from fastapi import Request
 from starlette.responses import Response
 
 from solutions.entrypoints.openai.protocol import (
-    CompletionChoice,
-    CompletionLogProbs,
-    CompletionRequest,
-    CompletionResponse,
-    UsageInfo,
-    json_logprob,
+    CompletionChoice, CompletionLogProbs, CompletionRequest, CompletionResponse, UsageInfo, json_logprob,
 )
 from solutions.entrypoints.openai.serving_engine import (
-    OpenAIServing,
-    finish_reason_of,
-    sse_event,
-    sse_events,
-    token_text,
-    usage_of,
+    OpenAIServing, finish_reason_of, sse_event, sse_events, token_text, usage_of,
 )
 from solutions.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -88,10 +78,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 entries = [*echo.prompt_logprobs, *entries[: len(token_ids)]]
             token_ids = [*echo.prompt_token_ids, *token_ids]
         logprobs = None if entries is None else self.completion_logprobs(token_ids, entries, text_offset)
-        return CompletionChoice(
-            index=index, text=text, logprobs=logprobs,
-            finish_reason=finish_reason_of(completion), stop_reason=completion.stop_reason,
-        )
+        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason_of(completion),
+                                stop_reason=completion.stop_reason)
 
     def response(
         self, request: CompletionRequest, request_id: str, created: int, finals: list[RequestOutput]
@@ -99,20 +87,16 @@ class OpenAIServingCompletion(OpenAIServing):
         choices = []
         for prompt_index, final in enumerate(finals):
             for completion in final.outputs:
-                choice = self.choice(
-                    request, prompt_index * request.n + completion.index, completion, 0,
-                    final if request.echo else None,
-                )
+                choice = self.choice(request, prompt_index * request.n + completion.index, completion, 0,
+                                     final if request.echo else None)
                 # vLLM's extension: its prompt's logprobs, whenever the engine computed them (asked for by name,
                 # or by echo with logprobs)
                 choice.prompt_logprobs = final.prompt_logprobs
                 choices.append(choice)
         num_prompt = sum(len(final.prompt_token_ids) for final in finals)
         num_generated = sum(len(completion.token_ids) for final in finals for completion in final.outputs)
-        return CompletionResponse(
-            id=request_id, created=created, model=self.model_name, choices=choices,
-            usage=usage_of(num_prompt, num_generated),
-        )
+        return CompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
+                                  usage=usage_of(num_prompt, num_generated))
 
     def stream_events(
         self, request: CompletionRequest, request_id: str, created: int, firsts: list[RequestOutput],
@@ -123,9 +107,8 @@ class OpenAIServingCompletion(OpenAIServing):
         to_echo = set(range(num_choices)) if request.echo else set()  # the choices whose prompt is still to be sent
 
         def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
-            return sse_event(CompletionResponse(
-                id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
-            ))
+            return sse_event(CompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
+                                                usage=usage))
 
         def events(prompt_index: int, output: RequestOutput, usage: UsageInfo | None) -> list[str]:
             chunks = []

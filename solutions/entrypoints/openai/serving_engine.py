@@ -11,11 +11,9 @@ prompts is one engine request each, all checked before any is queued, their outp
 gave it, which the client never saw: `without_request_id` drops it.
 
 One request never holds up the others: what can take long (rendering the chat template, tokenising) runs in a
-worker thread; a text too long to fit is refused before it is tokenised, and the body itself is capped
-(api_server.py). A client that goes away must not keep its blocks: a streamed response is cancelled by Starlette
-on `http.disconnect`, and `ClosingStreamingResponse` closes the event generator, whose `finally` closes
-`AsyncLLM.generate`, which aborts the request; a whole response races the work against the disconnect
-(`until_disconnected`) — the same abort, through the same `finally`.
+worker thread, and the body itself is capped (api_server.py). A client that goes away must not keep its blocks:
+a streamed response is cancelled by Starlette on `http.disconnect` (`ClosingStreamingResponse`), a whole one
+races the work against the disconnect (`until_disconnected`); both close `AsyncLLM.generate`, which aborts it.
 
 Where this lives in vLLM: `vllm/entrypoints/openai/engine/serving.py` (`OpenAIServing`) and
 `vllm/entrypoints/utils.py` (`with_cancellation`, `listen_for_disconnect`).
@@ -38,13 +36,7 @@ from starlette.types import Receive, Scope, Send
 
 from solutions.engine.async_llm import AsyncLLM, EngineDeadError, merge_delta
 from solutions.exceptions import ParameterError
-from solutions.entrypoints.openai.protocol import (
-    ErrorInfo,
-    ErrorResponse,
-    RequestError,
-    SamplingFields,
-    UsageInfo,
-)
+from solutions.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, RequestError, SamplingFields, UsageInfo
 from solutions.outputs import CompletionOutput, Logprob, RequestOutput
 from solutions.sampling_params import SamplingParams
 
@@ -187,10 +179,8 @@ def without_request_id(message: str, request_id: str) -> str:
 
 
 def usage_of(num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
-    return UsageInfo(
-        prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-        total_tokens=num_prompt_tokens + num_completion_tokens,
-    )
+    total = num_prompt_tokens + num_completion_tokens
+    return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens, total_tokens=total)
 
 
 def finish_reason_of(completion: CompletionOutput) -> str | None:
@@ -235,10 +225,8 @@ class OpenAIServing(ABC):
     def check_model(self, request: SamplingFields) -> None:
         """An unknown `model` is a 404, as OpenAI answers; no `model` means the one this server serves."""
         if request.model is not None and request.model != self.model_name:
-            raise RequestError(
-                f"The model `{request.model}` does not exist; this server serves `{self.model_name}`",
-                param="model", status=HTTPStatus.NOT_FOUND,
-            )
+            raise RequestError(f"The model `{request.model}` does not exist; this server serves `{self.model_name}`",
+                               param="model", status=HTTPStatus.NOT_FOUND)
 
     async def prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
         """The prompt as token ids, tokenised as `LLM.generate` does, in a worker thread; a text too long to fit

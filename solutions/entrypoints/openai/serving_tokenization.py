@@ -16,11 +16,7 @@ from http import HTTPStatus
 
 from solutions.engine.async_llm import AsyncLLM
 from solutions.entrypoints.openai.protocol import (
-    DetokenizeRequest,
-    DetokenizeResponse,
-    RequestError,
-    TokenizeRequest,
-    TokenizeResponse,
+    DetokenizeRequest, DetokenizeResponse, RequestError, TokenizeRequest, TokenizeResponse,
 )
 from solutions.entrypoints.openai.serving_chat import render_conversation
 

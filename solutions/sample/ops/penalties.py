@@ -28,12 +28,8 @@ def get_token_bin_counts_and_mask(token_ids: torch.Tensor, vocab_size: int) -> t
 
 
 def apply_penalties(
-    logits: torch.Tensor,
-    prompt_token_ids: torch.Tensor,
-    output_token_ids: torch.Tensor,
-    presence_penalties: torch.Tensor,
-    frequency_penalties: torch.Tensor,
-    repetition_penalties: torch.Tensor,
+    logits: torch.Tensor, prompt_token_ids: torch.Tensor, output_token_ids: torch.Tensor,
+    presence_penalties: torch.Tensor, frequency_penalties: torch.Tensor, repetition_penalties: torch.Tensor,
 ) -> torch.Tensor:
     """The penalised logits (B, V) (a new tensor; `logits` is not changed).
 
