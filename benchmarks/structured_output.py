@@ -15,7 +15,7 @@ Three measurements, SmolLM2-135M (vocabulary 49,152), one JSON schema of four fi
 If xgrammar is installed (`pip install xgrammar==0.2.8`; not a requirement), its compile and fill times are
 measured beside llguidance's, which is how the course chose its backend.
 
-    python -m benchmarks.structured_output --validity          # about 4 minutes on 2 cores
+    python -m benchmarks.structured_output --validity          # about 6 minutes on 2 cores
 
 counts instead the valid outputs of 30 seeded samples at temperature 1 (max_tokens 120, the prompt "JSON:") for an
 object, an array and a nested schema, each compiled three ways: with llguidance's flexible whitespace (any run in
