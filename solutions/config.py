@@ -11,11 +11,13 @@ follow vLLM's split, so each layer takes the parts it needs:
     parallel_config   tensor parallelism: how many ranks, who starts them; data parallelism: how many replicas
     device_config     where the weights, the cache and the activations live
     speculative_config  speculative decoding: how drafts are proposed, how many per step (None: off)
+    structured_outputs_config  how constrained outputs are compiled: whitespace in JSON or none
 
 The config is plain data and pickles, so the engine core's process and the workers build themselves from it.
 
 Where this lives in vLLM: `vllm/config/` (`VllmConfig`, `ModelConfig`, `CacheConfig`, `SchedulerConfig`,
-`ParallelConfig`, `DeviceConfig`, `SpeculativeConfig` in `vllm/config/speculative.py`).
+`ParallelConfig`, `DeviceConfig`, `SpeculativeConfig` in `vllm/config/speculative.py`, `StructuredOutputsConfig` in
+`vllm/config/structured_outputs.py`).
 """
 
 from dataclasses import dataclass, field, fields
@@ -206,6 +208,21 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """How the engine compiles constraints. `disable_any_whitespace`: JSON outputs have no whitespace between
+    tokens at all (compact separators); by default a bounded run is allowed (`backend_guidance.py`)."""
+
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ParameterError(
+                f"disable_any_whitespace must be True or False, got {self.disable_any_whitespace!r}",
+                "disable_any_whitespace",
+            )
+
+
+@dataclass(frozen=True)
 class VllmConfig:
     """Everything the engine was asked for, checked and resolved."""
 
@@ -215,3 +232,4 @@ class VllmConfig:
     parallel_config: ParallelConfig
     device_config: DeviceConfig
     speculative_config: SpeculativeConfig | None = None
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)

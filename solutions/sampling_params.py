@@ -36,7 +36,8 @@ def _is_number(value: object) -> bool:
 class StructuredOutputsParams:
     """What the output must look like: exactly one of a JSON schema, any JSON object, a regular expression, a
     list of choices, or a grammar in Lark syntax. The engine turns it into a token mask at every step
-    (`solutions/structured_output/`), so the output always conforms.
+    (`solutions/structured_output/`), so the output always conforms. `whitespace_pattern` (JSON only): the
+    whitespace allowed between two JSON tokens, as a regular expression, in place of the engine's bounded default.
     """
 
     json: str | dict[str, Any] | None = None  # a JSON schema (a dict, or its JSON text)
@@ -44,6 +45,7 @@ class StructuredOutputsParams:
     regex: str | None = None  # the whole output matches this regular expression (Rust `regex` syntax)
     choice: list[str] | None = None  # the output is exactly one of these strings
     grammar: str | None = None  # a context-free grammar in Lark syntax, with a `start` rule
+    whitespace_pattern: str | None = None  # JSON: one run of whitespace between tokens (Rust `regex` syntax)
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -78,6 +80,22 @@ class StructuredOutputsParams:
                 f"StructuredOutputsParams.choice must be a non-empty list of non-empty strings, got {self.choice!r}",
                 "structured_outputs",
             )
+        self._check_whitespace_pattern()
+
+    def _check_whitespace_pattern(self) -> None:
+        """A non-empty string, for a JSON constraint only (whether it parses is the backend's check)."""
+        if self.whitespace_pattern is None:
+            return
+        if not isinstance(self.whitespace_pattern, str) or not self.whitespace_pattern:
+            raise ParameterError(
+                f"StructuredOutputsParams.whitespace_pattern must be a non-empty string, got "
+                f"{self.whitespace_pattern!r}", "structured_outputs",
+            )
+        if self.kind not in ("json", "json_object"):
+            raise ParameterError(
+                f"StructuredOutputsParams.whitespace_pattern applies to json and json_object only, not {self.kind}",
+                "structured_outputs",
+            )
 
     @property
     def kind(self) -> str:
@@ -87,13 +105,13 @@ class StructuredOutputsParams:
         )
 
     @property
-    def key(self) -> tuple[str, str]:
-        """(kind, spec as text): the grammar cache's key. Key order is kept: a schema's property order is the
-        order the output writes them in."""
+    def key(self) -> tuple[str, str, str | None]:
+        """(kind, spec as text, whitespace_pattern): the grammar cache's key. Key order is kept: a schema's
+        property order is the order the output writes them in."""
         spec = {
             "json": self.json, "json_object": True, "regex": self.regex, "choice": self.choice, "grammar": self.grammar
         }[self.kind]
-        return self.kind, spec if isinstance(spec, str) else json.dumps(spec)
+        return self.kind, spec if isinstance(spec, str) else json.dumps(spec), self.whitespace_pattern
 
 
 @dataclass

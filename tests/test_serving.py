@@ -289,6 +289,8 @@ def test_client_that_times_out_on_a_whole_response_frees_its_blocks(server):
         ({"response_format": {"type": "json_schema"}}, 400, "response_format"),  # no schema
         ({"guided_regex": "(unclosed"}, 400, "guided_regex"),
         ({"structured_outputs": {"choice": []}}, 400, "structured_outputs"),
+        ({"structured_outputs": {"json_object": True, "whitespace_pattern": "("}}, 400, "structured_outputs"),
+        ({"structured_outputs": {"json_object": True, "whitespace_pattern": 3}}, 400, "structured_outputs"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, 400, "guided_choice"),  # two constraints at once
     ],
     ids=lambda value: json.dumps(value)[:40] if isinstance(value, dict) else str(value),
@@ -337,6 +339,11 @@ def test_structured_output_through_every_request_field(client):
     digits = client.completions.create(model=MODEL, prompt=PROMPT, temperature=1.0, seed=4, max_tokens=8,
                                        extra_body={"structured_outputs": {"regex": "[0-9]{4}"}})
     assert re.fullmatch("[0-9]{4}", digits.choices[0].text)
+    tabs_only = {"structured_outputs": {"json": PERSON, "whitespace_pattern": r"\t?"}}
+    tabbed = client.completions.create(model=MODEL, prompt=PROMPT, temperature=1.0, seed=5, max_tokens=48,
+                                       extra_body=tabs_only)
+    assert json.loads(tabbed.choices[0].text) and tabbed.choices[0].finish_reason == "stop"
+    assert set(re.findall(r"\s", re.sub(r'"(?:[^"\\]|\\.)*"', "", tabbed.choices[0].text))) <= {"\t"}
 
 
 def test_bad_chat_requests_name_the_chat_field(client):

@@ -348,7 +348,8 @@ def test_refusals_carry_no_internal_request_id(server, body, param, says):
 
 def test_json_object_greedy_finishes_a_valid_object(client):
     """The issue's case: greedy SmolLM2 with `{"type": "json_object"}` wrote `{"Alec":18,"Alec-18":18,...` until
-    max_tokens under a grammar without whitespace; with vLLM's flexible whitespace it closes an object."""
+    max_tokens under a grammar without whitespace; with whitespace allowed (a bounded run, by default) it closes an
+    object."""
     chat = client.chat.completions.create(model=MODEL, messages=JSON_QUESTION, temperature=0, max_tokens=64,
                                           response_format={"type": "json_object"})
     (choice,) = chat.choices

@@ -4,10 +4,13 @@ At temperature 1 over 50 seeds each, JSON outputs parse and validate against the
 outputs match, choice outputs are one of the choices; unconstrained requests sharing the batch get the very
 tokens they get alone; n > 1, preemption by recompute, prefix-cache hits and streaming keep the outputs valid
 (and, greedy, identical); a constraint that does not compile is a ValueError naming its field, with the requests
-in flight undisturbed; a grammar that cannot finish within max_tokens ends with finish_reason "length".
+in flight undisturbed; a grammar that cannot finish within max_tokens ends with finish_reason "length". JSON's
+whitespace is bounded by default (a sample that wrote line breaks until max_tokens under llguidance's flexible
+whitespace closes its object), none at all with `disable_any_whitespace`, and a request's `whitespace_pattern`.
 One `LLM` (SmolLM2) serves the module; the server's side is in tests/test_serving.py.
 """
 
+import argparse
 import collections
 import functools
 import json
@@ -17,13 +20,14 @@ import jsonschema
 import pytest
 import torch
 
-from benchmarks.structured_output import person_schema
+from benchmarks.structured_output import VALIDITY_MAX_TOKENS, VALIDITY_PROMPT, VALIDITY_SCHEMAS, person_schema
 from solutions import LLM, SamplingParams, StructuredOutputsParams
 from solutions.engine.arg_utils import EngineArgs
 from solutions.engine.llm_engine import LLMEngine
 from solutions.exceptions import ParameterError
 from solutions.outputs import FinishReason
 from solutions.structured_output import ChoiceGrammar, StructuredOutputManager, TokenTexts
+from solutions.structured_output.backend_guidance import BOUNDED_WHITESPACE
 from solutions.structured_output.bitmask import (
     allocate_token_bitmask,
     apply_token_bitmask,
@@ -34,6 +38,8 @@ from solutions.structured_output.bitmask import (
 MODEL = "smollm2-135m"
 SEEDS = range(50)
 PERSON = person_schema()  # name, age, city, vegan: bounded, so a sampled output finishes well within max_tokens
+OBJECT = VALIDITY_SCHEMAS["object"]  # name and age
+FLEXIBLE_OBJECT = {**OBJECT, "x-guidance": {"whitespace_flexible": True}}  # any whitespace run, as before issue 52
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 CHOICES = ["Paris", "London", "Par", "New York City"]  # "Par" is a prefix of "Paris": the matcher must not stop early
 JSON_PROMPT = "Describe a person as a JSON object:"
@@ -119,10 +125,12 @@ def tight_engine(**overrides) -> LLMEngine:
     return LLMEngine.from_engine_args(EngineArgs(model=MODEL, **options))
 
 
-def new_manager() -> StructuredOutputManager:
+def new_manager(disable_any_whitespace: bool = False) -> StructuredOutputManager:
     """A manager for the module's tokenizer and model config, as the engine core makes its own."""
     model_config = llm().llm_engine.vllm_config.model_config
-    return StructuredOutputManager(llm().tokenizer, model_config.vocab_size, model_config.eos_token_id)
+    return StructuredOutputManager(
+        llm().tokenizer, model_config.vocab_size, model_config.eos_token_id, disable_any_whitespace
+    )
 
 
 def stream(
@@ -176,6 +184,7 @@ BAD_CONSTRAINTS = [
     (dict(json="{not json"), "json"),
     (dict(regex="(unclosed"), "regex"),
     (dict(grammar="start: undefined_rule"), "grammar"),
+    (dict(json=PERSON, whitespace_pattern="(unclosed"), "whitespace_pattern"),  # checked alone, named alone
 ]
 
 
@@ -203,6 +212,9 @@ def test_a_constraint_that_does_not_compile_is_refused_and_disturbs_nothing():
         (dict(choice=["a", ""]), "choice must be a non-empty list"),
         (dict(json=3), "json must be a JSON schema"),
         (dict(regex=""), "regex must be a non-empty string"),
+        (dict(json=PERSON, whitespace_pattern=3), "whitespace_pattern must be a non-empty string"),
+        (dict(json_object=True, whitespace_pattern=""), "whitespace_pattern must be a non-empty string"),
+        (dict(regex="a", whitespace_pattern=" "), "whitespace_pattern applies to json and json_object only"),
     ],
 )
 def test_structured_outputs_params_name_the_bad_field(kwargs, message):
@@ -219,6 +231,68 @@ def test_equal_constraints_compile_once():
     assert len(first) == 2 and first[0] is not first[1] and len(second) == 1
     info = manager._compile.cache_info()
     assert (info.misses, info.hits) == (1, 1), "the schema as a dict and as its JSON text are one constraint"
+
+
+# --- whitespace in JSON --------------------------------------------------------------------------------------------
+
+
+def gaps(text: str) -> list[str]:
+    """The whitespace runs of a JSON text outside its strings."""
+    return re.findall(r"\s+", re.sub(r'"(?:[^"\\]|\\.)*"', '""', text))
+
+
+def test_the_bounded_default_lets_a_sample_that_ran_out_on_whitespace_close_its_object():
+    """Seed 11 on "JSON:": under flexible whitespace (the schema's own `x-guidance` asks for it, and wins over the
+    default) it writes line breaks until max_tokens; under the default, the same sample closes a valid object."""
+    params = [constrained(11, VALIDITY_MAX_TOKENS, json=schema) for schema in (FLEXIBLE_OBJECT, OBJECT)]
+    ran_out, closed = (o.outputs[0] for o in llm().generate([VALIDITY_PROMPT] * 2, params, use_tqdm=False))
+    assert ran_out.finish_reason is FinishReason.LENGTH and ran_out.text.endswith("\n" * 20), repr(ran_out.text)
+    assert closed.finish_reason is FinishReason.STOP, repr(closed.text)
+    jsonschema.validate(json.loads(closed.text), OBJECT)
+
+
+def test_no_gap_of_a_sampled_json_output_holds_more_than_the_bounded_whitespace():
+    for output in sweep()["json"]:
+        assert all(re.fullmatch(BOUNDED_WHITESPACE, gap) for gap in gaps(output.text)), repr(output.text)
+
+
+def accepts(manager: StructuredOutputManager, text: str, schema: dict = OBJECT, **options) -> bool:
+    """Does the manager's grammar for `schema` take `text` whole, and then end?"""
+    (grammar,) = manager.grammar_init(StructuredOutputsParams(json=schema, **options), 1)
+    return grammar.accept_tokens(llm().tokenizer.encode(text)) and grammar.is_terminated()
+
+
+def test_whitespace_the_request_then_the_schema_then_the_engine_decide():
+    """By default a gap holds a line break and up to 8 spaces; `disable_any_whitespace`, nothing; a schema's own
+    `x-guidance` wins over either, and a request's `whitespace_pattern` over all."""
+    default, disabled = new_manager(), new_manager(disable_any_whitespace=True)
+    compact, indented = '{"name":"Al","age":7}', '{\n  "name": "Al",\n  "age": 7\n}'
+    assert accepts(default, compact) and accepts(default, indented)
+    assert not accepts(default, "{\n\n" + compact[1:]) and not accepts(default, "{" + " " * 9 + compact[1:])
+    assert accepts(disabled, compact) and not accepts(disabled, indented)
+    for manager in (default, disabled):  # the schema's own options over the engine's, the request's over both
+        assert accepts(manager, "{" + "\n" * 30 + compact[1:], FLEXIBLE_OBJECT)
+        tabbed = '{\t"name":\t"Al",\t"age":7}'
+        assert accepts(manager, tabbed, whitespace_pattern=r"\t?") and not accepts(manager, tabbed)
+        assert not accepts(manager, indented, FLEXIBLE_OBJECT, whitespace_pattern=r"\t?")
+
+
+def test_disable_any_whitespace_leaves_none_between_tokens():
+    engine = tight_engine(num_kv_blocks=128, max_num_seqs=8, disable_any_whitespace=True)
+    requests = {f"s{seed}": (VALIDITY_PROMPT, constrained(seed, VALIDITY_MAX_TOKENS, json=OBJECT)) for seed in range(8)}
+    for _, text, finish in stream(engine, requests).values():
+        assert finish is FinishReason.STOP and gaps(text) == [], repr(text)
+        jsonschema.validate(json.loads(text), OBJECT)
+
+
+def test_disable_any_whitespace_is_an_engine_option_and_a_flag_named_when_bad():
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert EngineArgs.from_cli_args(parser.parse_args(["--disable-any-whitespace"])).disable_any_whitespace is True
+    config = EngineArgs(model=MODEL, disable_any_whitespace=True).create_engine_config()
+    assert config.structured_outputs_config.disable_any_whitespace is True
+    with pytest.raises(ParameterError, match="disable_any_whitespace must be True or False, got 'yes'") as refused:
+        EngineArgs(model=MODEL, disable_any_whitespace="yes")
+    assert refused.value.parameter == "disable_any_whitespace"
 
 
 # --- the pieces, exactly --------------------------------------------------------------------------------------------

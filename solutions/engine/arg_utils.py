@@ -32,6 +32,7 @@ from solutions.config import (
     SchedulerConfig,
     SchedulerPolicy,
     SpeculativeConfig,
+    StructuredOutputsConfig,
     VllmConfig,
     WorkerMultiprocMethod,
 )
@@ -110,6 +111,9 @@ class EngineArgs:
         default=None, metadata=_help("GiB of host memory for the prefix cache's evicted blocks (default: off)")
     )
     kv_offloading_backend: str = field(default="native", metadata=_help(f"one of {KV_OFFLOADING_BACKENDS}"))
+    disable_any_whitespace: bool = field(
+        default=False, metadata=_help("structured outputs: JSON with no whitespace between tokens (default: bounded)")
+    )
 
     def __post_init__(self) -> None:
         """The checks that need nothing but the values: ParameterError (a ValueError) naming the field."""
@@ -133,6 +137,7 @@ class EngineArgs:
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))
         parallel = self._parallel_config()  # its own checks
+        self._structured_outputs_config()  # its own check
         self._check_attention_backend()
         if self.dtype not in CPU_DTYPES and self.device == "cpu":
             raise ParameterError(
@@ -178,6 +183,9 @@ class EngineArgs:
             self.tensor_parallel_size, self.distributed_executor_backend, self.worker_multiproc_method,
             self.data_parallel_size, self.data_parallel_placement,
         )
+
+    def _structured_outputs_config(self) -> StructuredOutputsConfig:
+        return StructuredOutputsConfig(self.disable_any_whitespace)
 
     def _check_host_memory(self) -> None:
         """Chapter 11's sizes, and what they do not run with (ParameterError naming the field)."""
@@ -264,6 +272,7 @@ class EngineArgs:
             parallel_config=self._parallel_config(),
             device_config=DeviceConfig(device, self.cpu_threads),
             speculative_config=self._speculative_config(hf_config.num_hidden_layers),
+            structured_outputs_config=self._structured_outputs_config(),
         )
 
     def _host_blocks(self, hf_config: HFConfig, dtype: torch.dtype) -> tuple[int, int]:

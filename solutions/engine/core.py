@@ -54,7 +54,7 @@ class EngineCore:
     def __init__(self, vllm_config: VllmConfig, executor_class: type[Executor]) -> None:
         self.vllm_config = vllm_config
         self.model_executor = executor_class(vllm_config)
-        self.structured_output_manager = StructuredOutputManager.from_config(vllm_config.model_config)
+        self.structured_output_manager = StructuredOutputManager.from_config(vllm_config)
         cls = DataParallelScheduler if vllm_config.parallel_config.data_parallel else scheduler_cls(vllm_config)
         self.scheduler = cls.from_config(vllm_config, self.structured_output_manager)
         self._seq_ids = itertools.count()

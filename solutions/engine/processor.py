@@ -36,8 +36,11 @@ class Processor:
     @functools.cached_property
     def guidance(self) -> GuidanceBackend:
         """Validates structured-output constraints against the vocabulary (made at the first such request)."""
-        model_config = self.vllm_config.model_config
-        return GuidanceBackend(self.tokenizer, model_config.vocab_size, model_config.eos_token_id)
+        config = self.vllm_config
+        return GuidanceBackend(
+            self.tokenizer, config.model_config.vocab_size, config.model_config.eos_token_id,
+            config.structured_outputs_config.disable_any_whitespace,
+        )
 
     def process_inputs(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0

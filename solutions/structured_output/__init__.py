@@ -30,7 +30,7 @@ from concurrent.futures import Executor, Future
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from solutions.config import ModelConfig
+from solutions.config import VllmConfig
 from solutions.core.sched.output import SchedulerOutput, sampling_rows
 from solutions.model.loader import load_tokenizer
 from solutions.sampling_params import StructuredOutputsParams
@@ -50,17 +50,23 @@ GRAMMAR_CACHE_SIZE = 256  # compiled constraints kept, least recently used dropp
 class StructuredOutputManager:
     """Compiles constraints for one tokenizer and fills the token masks of each step. In the engine core it is
     made `from_config`, and loads the model's tokenizer at the first constrained request (as vLLM's manager
-    loads its own in the core)."""
+    loads its own in the core). `disable_any_whitespace`: the engine's option (`StructuredOutputsConfig`)."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, eos_token_id: int | None) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, eos_token_id: int | None,
+        disable_any_whitespace: bool = False,
+    ) -> None:
         self._tokenizer, self.vocab_size, self.eos_token_id = tokenizer, vocab_size, eos_token_id
+        self.disable_any_whitespace = disable_any_whitespace
         self._model: str | None = None  # where to load the tokenizer from, when it is not given
         self._compile = functools.lru_cache(maxsize=GRAMMAR_CACHE_SIZE)(self._compile_uncached)
         self._executor: MaskThread | None = None  # started by the first constrained step
 
     @classmethod
-    def from_config(cls, model_config: ModelConfig) -> "StructuredOutputManager":
-        manager = cls(None, model_config.vocab_size, model_config.eos_token_id)
+    def from_config(cls, vllm_config: VllmConfig) -> "StructuredOutputManager":
+        model_config = vllm_config.model_config
+        disable_any_whitespace = vllm_config.structured_outputs_config.disable_any_whitespace
+        manager = cls(None, model_config.vocab_size, model_config.eos_token_id, disable_any_whitespace)
         manager._model = model_config.model
         return manager
 
@@ -76,20 +82,21 @@ class StructuredOutputManager:
 
     @functools.cached_property
     def backend(self) -> GuidanceBackend:
-        return GuidanceBackend(self.tokenizer, self.vocab_size, self.eos_token_id)
+        return GuidanceBackend(self.tokenizer, self.vocab_size, self.eos_token_id, self.disable_any_whitespace)
 
     @functools.cached_property
     def token_texts(self) -> TokenTexts:
         return TokenTexts.from_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_id)
 
-    def _compile_uncached(self, key: tuple[str, str]) -> str | list[str]:
-        kind, spec = key
-        params = StructuredOutputsParams(**{kind: json.loads(spec) if kind in ("choice", "json_object") else spec})
+    def _compile_uncached(self, key: tuple[str, str, str | None]) -> str | list[str]:
+        kind, spec, whitespace_pattern = key
+        constraint = json.loads(spec) if kind in ("choice", "json_object") else spec
+        params = StructuredOutputsParams(**{kind: constraint}, whitespace_pattern=whitespace_pattern)
         return list(params.choice) if kind == "choice" else self.backend.compile_grammar(params)
 
     def grammar_init(self, params: StructuredOutputsParams, num_samples: int) -> list[StructuredOutputGrammar]:
         """One fresh grammar per sample of a request (equal constraints compile once)."""
-        compiled = self._compile(params.key)  # (kind, spec as text)
+        compiled = self._compile(params.key)  # (kind, spec as text, whitespace_pattern)
         if params.kind == "choice":
             return [ChoiceGrammar(compiled, self.token_texts) for _ in range(num_samples)]
         return [self.backend.new_grammar(compiled) for _ in range(num_samples)]

@@ -2,7 +2,8 @@
 
 Structured output comes in OpenAI's `response_format` (`{"type": "json_schema", "json_schema": {"name": ...,
 "schema": {...}}}` or `{"type": "json_object"}`), or in vLLM's `structured_outputs` object (`json`, `regex`,
-`choice`, `grammar`) or its older `guided_*` fields; at most one of them per request.
+`choice`, `grammar`; with JSON, `whitespace_pattern` too) or its older `guided_*` fields; at most one of them per
+request.
 
 Requests are pydantic models, so a wrong type or a missing field is caught with the field's name. What a request
 may hold is vLLM's surface, since clients are written for vLLM's (its benchmark client sends
@@ -95,6 +96,7 @@ class StructuredOutputsFields(OpenAIRequest):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    whitespace_pattern: str | None = None  # JSON: the whitespace allowed between two tokens
 
 
 STRUCTURED_OUTPUT_FIELDS = (
