@@ -16,6 +16,7 @@ from solutions.attention.cpu_kernels import c_paged_decode_attention
 from solutions.attention.inductor_backend import torch_paged_decode_attention
 from solutions.attention.torch_backend import batched_decode_attention, causal_context_attention, causal_self_attention
 from solutions.model.config import ModelConfig
+from solutions.spec_decode.draft_model import DraftAttention, DraftKVCache
 
 WINDOW, BLOCK_SIZE, NEW_TOKENS = 32, 16, 48
 TINY = dict(
@@ -154,6 +155,19 @@ def test_prefill_attention_masks_by_the_window(window):
         causal_context_attention(chunk, k, v, scale, window),
         naive_attention(chunk, k, v, list(range(45, 70)), window, scale), rtol=1e-5, atol=1e-5,
     )
+
+
+def test_the_draft_models_attention_masks_by_the_targets_window():
+    """A wrong draft costs only acceptances (the target verifies it), so the engine's tokens cannot show this."""
+    config = ModelConfig.from_dict(dict(QWEN2_HYBRID, architectures=["Qwen2ForCausalLM"]))
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(70, heads, 16, generator=g) for heads in (4, 2, 2))
+    cache = DraftKVCache(2, 2, 16, torch.float32, torch.device("cpu"))
+    cache.reserve(70)
+    for layer, window in enumerate(config.sliding_windows[:2]):  # windowed, then full
+        got = DraftAttention([cache], [0, 70], config).forward(layer, q, k, v)
+        torch.testing.assert_close(got, naive_attention(q, k, v, list(range(70)), window, 16**-0.5), rtol=1e-5,
+                                   atol=1e-5)
 
 
 @pytest.mark.parametrize("window", [None, 1, 20, 32])
