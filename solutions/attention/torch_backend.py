@@ -54,7 +54,8 @@ def batched_decode_attention(
 
 
 class TorchAttentionBackend:
-    """Store the step's new K/V by slot mapping, then attend: decodes batched, prefills one by one.
+    """Store the step's new K/V by slot mapping, then attend: decodes batched, prefills one by one, each query within
+    its layer's sliding window if it has one (`KVCache.sliding_window`).
 
     `decode_attention` is the one step a subclass changes: `inductor_backend.py` attends in place.
     """
