@@ -170,7 +170,7 @@ def test_the_draft_models_attention_masks_by_the_targets_window():
                                    atol=1e-5)
 
 
-@pytest.mark.parametrize("window", [None, 1, 20, 32])
+@pytest.mark.parametrize("window", [1, 20, 32])  # without one: tests/test_kernels.py
 def test_the_unified_triton_kernel_masks_by_the_window(window):
     import kernels
 
