@@ -12,6 +12,12 @@ head r % G): a decode (query_len 1) still fills the rows with its whole GQA grou
 is the decode kernel's online softmax, with a causal mask `key_pos <= query_pos` per row, and it stops at the
 last position the tile's last token can see.
 
+A sliding window (`window` > 0) also hides the keys a row's query is `window` or more positions past:
+`key_pos > query_pos - window` (Hugging Face's rule, transformers 5.23.0 `masking_utils.py`). The loop then starts
+at the tile of the first position the tile's first token sees; a later token's row may find nothing to see in the
+first tiles, so the online softmax takes its running maximum as 0 while it is still -inf (exp(-inf - -inf) would be
+nan). Chapter 6's decode kernels know no window: a windowed layer's decodes come here too (`triton_backend.py`).
+
 Where this lives in vLLM: `vllm/v1/attention/ops/triton_unified_attention.py` (`kernel_unified_attention_2d`).
 """
 
@@ -41,6 +47,7 @@ def unified_attention_kernel(
     stride_bts,
     query_group, head_dim,
     block_q,  # query tokens per program = BLOCK_M // G
+    window,  # positions each query sees, its own included; 0: every earlier one
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     BLOCK_M: tl.constexpr,  # rows per program: block_q tokens × G heads, padded to a power of two >= 16
@@ -75,9 +82,11 @@ def unified_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
 
-    # -- the tile's last token sees positions [0, context_len + its index]; nothing past that is read --
+    # -- the tile's last token sees positions up to context_len + its index; nothing past that is read, nor (with a
+    #    window) the whole tiles before the first position the tile's first token sees --
     kv_end = tl.minimum(seq_len, context_len + (q_tile + 1) * block_q)
-    for start in range(0, kv_end, TILE_N):
+    kv_start = tl.where(window > 0, tl.maximum(context_len + q_tile * block_q - window + 1, 0), 0)
+    for start in range(kv_start // TILE_N * TILE_N, kv_end, TILE_N):
         offs_pos = start + offs_n  # (N,)
         mask_n = offs_pos < kv_end
         block_ids = tl.load(block_tables_ptr + seq * stride_bts + offs_pos // BLOCK_SIZE, mask=mask_n, other=0)
@@ -88,11 +97,13 @@ def unified_attention_kernel(
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # (M, N)
         causal = mask_n[None, :] & (offs_pos[None, :] <= query_pos[:, None])
-        s = tl.where(causal, s, float("-inf"))
+        in_window = (window <= 0) | (offs_pos[None, :] > query_pos[:, None] - window)
+        s = tl.where(causal & in_window, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a row that has seen no key yet
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -113,9 +124,11 @@ def unified_attention(
     max_query_len: int | None = None,
     *,
     kernel: Any = unified_attention_kernel,
+    window: int | None = None,
 ) -> torch.Tensor:
     """query (T, Hq, D), the new tokens of every sequence concatenated, attends causally to its sequence's
-    cached context and to the new tokens before it -> (T, Hq, D).
+    cached context and to the new tokens before it -> (T, Hq, D); with a sliding `window`, to the last `window`
+    positions up to its own.
 
     `max_query_len` sizes the grid; None reads it from `query_start_loc` (a device-to-host copy on a GPU).
     """
@@ -144,7 +157,7 @@ def unified_attention(
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        group, head_dim, block_q,
+        group, head_dim, block_q, window or 0,
         BLOCK_SIZE=block_size,
         TILE_N=_tile_n(block_size),
         BLOCK_M=block_m,
@@ -162,6 +175,7 @@ def unified_attention_reference(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The same in PyTorch, in fp32: per sequence, gather its K/V and run causal attention with an offset."""
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -178,6 +192,8 @@ def unified_attention_reference(
         values = value_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,lhd->hql", query[rows].float(), keys) * scale  # (Hq, Tq, L)
         query_pos = torch.arange(seq_len - query_len, seq_len)[:, None]  # (Tq, 1)
-        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > query_pos, float("-inf"))
+        key_pos = torch.arange(seq_len)[None, :]  # (1, L)
+        hidden = key_pos > query_pos if window is None else (key_pos > query_pos) | (key_pos <= query_pos - window)
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[rows] = torch.einsum("hql,lhd->qhd", scores.softmax(dim=-1), values).to(query.dtype)  # (Tq, Hq, D)
     return out

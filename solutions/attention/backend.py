@@ -33,5 +33,6 @@ class AttentionBackend(Protocol):
         ...
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (T, Hq, D), k and v (T, Hkv, D) for the T new tokens -> attention output (T, Hq, D)."""
+        """q (T, Hq, D), k and v (T, Hkv, D) for the T new tokens -> attention output (T, Hq, D); a layer with a
+        sliding window (`KVCache.sliding_window(layer_idx)`) shows each query only the keys in its window."""
         ...

@@ -15,6 +15,14 @@ def repeat_kv(x: torch.Tensor, num_queries_per_kv: int) -> torch.Tensor:
     return x.repeat_interleave(num_queries_per_kv, dim=1)  # (T, Hq, D)
 
 
+def visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Whether the query at `query_pos` sees the key at `key_pos` (broadcast): every key up to its own position,
+    or with a sliding window only the last `window` of them, its own included — Hugging Face's rule (transformers
+    5.23.0, `masking_utils.py`: a sliding-window layer lets query i see key j when i - window < j <= i)."""
+    causal = key_pos <= query_pos
+    return causal if window is None else causal & (key_pos > query_pos - window)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of Tq queries (Tq, Hq, D) over Tk keys/values (Tk, Hkv, D) -> (Tq, Hq, D).
 

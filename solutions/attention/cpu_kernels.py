@@ -69,7 +69,7 @@ def _library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
         os.replace(partial, target)  # atomic: a concurrent build never loads half a file
     library = ctypes.CDLL(str(target))
     for entry in (library.paged_decode_attention, library.paged_decode_attention_bf16):
-        entry.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+        entry.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float]
         entry.restype = None
     return library
 
@@ -89,13 +89,14 @@ def supports(q: torch.Tensor, key_cache: torch.Tensor) -> bool:
 
 def c_paged_decode_attention(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float,
+    seq_lens: torch.Tensor, scale: float, window: int | None = None,
 ) -> torch.Tensor:
     """One query per sequence, q (Bd, Hq, D), over each sequence's paged context -> (Bd, Hq, D), in C.
 
     Or Q queries per sequence, q (Bd, Q, Hq, D) -> (Bd, Q, Hq, D): a speculative verify's 1 + k tokens, the last
     seeing `seq_lens[b]` tokens and each earlier one a token less (causal), all scored while the context is read
-    once. `block_tables` (Bd, max_blocks) and `seq_lens` (Bd,) as the torch backend takes them.
+    once. `block_tables` (Bd, max_blocks) and `seq_lens` (Bd,) as the torch backend takes them. With a sliding
+    `window`, each query sees only the last `window` of its positions (the C code's 0 is no window).
     """
     num_seqs, num_queries = q.shape[0], q.shape[1] if q.dim() == 4 else 1
     num_q_heads, head_dim = q.shape[-2:]
@@ -109,6 +110,6 @@ def c_paged_decode_attention(
     entry = library.paged_decode_attention_bf16 if keys.dtype == torch.bfloat16 else library.paged_decode_attention
     entry(
         queries.data_ptr(), keys.data_ptr(), values.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
-        num_seqs, num_queries, num_q_heads, num_kv_heads, head_dim, block_size, tables.shape[1], scale,
+        num_seqs, num_queries, num_q_heads, num_kv_heads, head_dim, block_size, tables.shape[1], window or 0, scale,
     )
     return out

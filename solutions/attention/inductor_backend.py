@@ -36,17 +36,19 @@ from collections.abc import Callable
 import torch
 
 from solutions.attention import cpu_kernels
+from solutions.attention.causal import visible
 from solutions.attention.torch_backend import TorchAttentionBackend
 
 
 def torch_paged_decode_attention(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float,
+    seq_lens: torch.Tensor, scale: float, window: int | None = None,
 ) -> torch.Tensor:
     """One query per sequence, q (Bd, Hq, D), over each sequence's paged context -> (Bd, Hq, D).
 
-    `block_tables` (Bd, max_blocks) int64, `seq_lens` (Bd,). Eager, this materialises the gathered K/V like the
-    torch backend does; compiled (`compiled_paged_decode_attention`), the gathers fuse into the reductions.
+    `block_tables` (Bd, max_blocks) int64, `seq_lens` (Bd,), a sliding `window` or None. Eager, this materialises
+    the gathered K/V like the torch backend does; compiled (`compiled_paged_decode_attention`), the gathers fuse into
+    the reductions.
     """
     Bd, Hq, D = q.shape
     block_size, Hkv = key_cache.shape[1], key_cache.shape[2]
@@ -56,8 +58,8 @@ def torch_paged_decode_attention(
     q = q.view(Bd, 1, 1, Hkv, group, D)
     scores = (q * keys[..., None, :]).sum(-1) * scale  # (Bd, max_blocks, block_size, Hkv, group)
     scores = scores.view(Bd, max_blocks * block_size, Hkv, group)  # position l = block l // bs, slot l % bs
-    past_end = torch.arange(max_blocks * block_size, device=q.device)[None, :] >= seq_lens[:, None]  # (Bd, L)
-    probs = scores.masked_fill(past_end[:, :, None, None], float("-inf")).softmax(dim=1)  # over the context
+    seen = visible(seq_lens[:, None] - 1, torch.arange(max_blocks * block_size, device=q.device)[None, :], window)
+    probs = scores.masked_fill(~seen[:, :, None, None], float("-inf")).softmax(dim=1)  # (Bd, L, ...) over the context
     probs = probs.view(Bd, max_blocks, block_size, Hkv, group)
     out = (probs[..., None] * values[..., None, :]).sum((1, 2))  # (Bd, Hkv, group, D)
     return out.reshape(Bd, Hq, D)
@@ -87,7 +89,7 @@ _compiled = compile_for_any_thread_count(torch_paged_decode_attention)
 
 def compiled_paged_decode_attention(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float,
+    seq_lens: torch.Tensor, scale: float, window: int | None = None,
 ) -> torch.Tensor:
     """`torch_paged_decode_attention`, compiled on first call for every batch and context (dynamic shapes).
 
@@ -104,29 +106,30 @@ def compiled_paged_decode_attention(
         block_tables = torch.cat(
             [block_tables, block_tables.new_zeros(block_tables.shape[0], 2 - block_tables.shape[1])], 1
         )
-    return _compiled(q, key_cache, value_cache, block_tables, seq_lens, scale)[:Bd]
+    return _compiled(q, key_cache, value_cache, block_tables, seq_lens, scale, window)[:Bd]
 
 
 def fast_decode_attention(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float,
+    seq_lens: torch.Tensor, scale: float, window: int | None = None,
 ) -> torch.Tensor:
     """In place: the hand-written C kernel where it applies (`cpu_kernels.supports`: fp32 or bf16 on the CPU, heads
     of a multiple of 16 floats), else the compiled loop above (fp16, odd head sizes).
 
     q (Bd, Hq, D), or (Bd, Q, Hq, D) for Q new tokens per sequence (a speculative verify: token i sees
     `seq_lens[b] - (Q - 1 - i)` tokens) -> the same shape. The C kernel scores all Q while it reads the context
-    once; the compiled loop takes each token as a decode of its own length.
+    once; the compiled loop takes each token as a decode of its own length. A sliding `window` masks each
+    query's positions to the last `window` up to its own.
     """
     if cpu_kernels.supports(q, key_cache):
-        return cpu_kernels.c_paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale)
+        return cpu_kernels.c_paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale, window)
     if q.dim() == 3:
-        return compiled_paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale)
+        return compiled_paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale, window)
     num_queries = q.shape[1]
     row_lens = seq_lens[:, None] - torch.arange(num_queries - 1, -1, -1, device=q.device)[None, :]  # (Bd, Q)
     out = compiled_paged_decode_attention(
         q.flatten(0, 1), key_cache, value_cache, block_tables.repeat_interleave(num_queries, dim=0),
-        row_lens.flatten(), scale,
+        row_lens.flatten(), scale, window,
     )  # (Bd * Q, Hq, D)
     return out.view_as(q)
 
@@ -172,14 +175,15 @@ class InductorAttentionBackend(TorchAttentionBackend):
         return torch.tensor(rows, device=device), keep_rows, torch.tensor(lens, device=device), tables
 
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
-                          value_cache: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+                          value_cache: torch.Tensor, out: torch.Tensor, scale: float, window: int | None) -> None:
         """Every prefill piece in one call of the C kernel, reading the cache in place (the new K/V are already
-        stored); the torch backend's way where the kernel does not apply."""
+        stored), each token within the sliding `window` if there is one; the torch backend's way where the kernel
+        does not apply."""
         if not cpu_kernels.supports(q, key_cache):
-            return super().prefill_attention(q, k, v, key_cache, value_cache, out, scale)
+            return super().prefill_attention(q, k, v, key_cache, value_cache, out, scale, window)
         rows, keep, lens, tables = self.pieces
         queries = q[rows].view(-1, self.max_decode_query_len, *q.shape[1:])  # (P, n, Hq, D)
-        attended = cpu_kernels.c_paged_decode_attention(queries, key_cache, value_cache, tables, lens, scale)
+        attended = cpu_kernels.c_paged_decode_attention(queries, key_cache, value_cache, tables, lens, scale, window)
         attended = attended.view(-1, *q.shape[1:])  # (P * n, Hq, D)
         if keep is None:
             out[rows] = attended

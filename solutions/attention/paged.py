@@ -37,11 +37,14 @@ class KVCache:
 
     key_caches: list[torch.Tensor]
     value_caches: list[torch.Tensor]
+    # Each layer's sliding window (`ModelConfig.sliding_windows`): the backends mask what a layer's queries see by
+    # it; every token stays cached. Empty: no layer is windowed.
+    sliding_windows: tuple[int | None, ...] = ()
 
     @classmethod
     def allocate(
         cls, config: KVCacheShape, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
+        device: torch.device | str = "cpu", sliding_windows: tuple[int | None, ...] = (),
     ) -> "KVCache":
         """Zeroed pools in the model's dtype, on its device (the kernels read and write them in place)."""
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
@@ -51,7 +54,12 @@ class KVCache:
         return cls(
             [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)],
             [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)],
+            sliding_windows,
         )
+
+    def sliding_window(self, layer_idx: int) -> int | None:
+        """How many positions layer `layer_idx`'s queries see, their own included; None: every earlier one."""
+        return self.sliding_windows[layer_idx] if self.sliding_windows else None
 
     @staticmethod
     def bytes_per_block(config: KVCacheShape, block_size: int, dtype: torch.dtype = torch.float32) -> int:

@@ -24,16 +24,18 @@ backend's split into prefill and decode metadata).
 import torch
 import torch.nn.functional as F
 
+from solutions.attention.causal import visible
 from solutions.attention.paged import AttentionMetadata, KVCache, gather_kv, write_to_kv_cache
 
 
 def batched_decode_attention(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float,
+    seq_lens: torch.Tensor, scale: float, window: int | None = None,
 ) -> torch.Tensor:
     """One query per sequence, q (Bd, Hq, D), over each sequence's paged context -> (Bd, Hq, D).
 
-    `block_tables` (Bd, max_blocks) int64, `seq_lens` (Bd,): sequence b attends to its first seq_lens[b] tokens.
+    `block_tables` (Bd, max_blocks) int64, `seq_lens` (Bd,): sequence b attends to its first seq_lens[b] tokens, or
+    with a sliding `window` to the last `window` of them.
     The gather is one `index_select` of whole blocks (each a contiguous block_size × Hkv × D run of memory,
     about twice as fast here as indexing with the 2-D table); PyTorch's fused attention then shares each KV head
     across its query group (`enable_gqa`) and skips the padding by the boolean mask.
@@ -43,16 +45,17 @@ def batched_decode_attention(
     flat = block_tables.flatten()  # (Bd * max_blocks,)
     keys = key_cache.index_select(0, flat).view(Bd, -1, Hkv, D)  # (Bd, L, Hkv, D), L = max_blocks * block_size
     values = value_cache.index_select(0, flat).view(Bd, -1, Hkv, D)  # (Bd, L, Hkv, D)
-    visible = torch.arange(keys.shape[1], device=q.device)[None, :] < seq_lens[:, None]  # (Bd, L) False past each end
+    seen = visible(seq_lens[:, None] - 1, torch.arange(keys.shape[1], device=q.device)[None, :], window)  # (Bd, L)
     out = F.scaled_dot_product_attention(
-        q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=visible[:, None, None, :],
+        q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=seen[:, None, None, :],
         scale=scale, enable_gqa=True,
     )  # (Bd, Hq, 1, D)
     return out[:, :, 0, :]  # (Bd, Hq, D)
 
 
 class TorchAttentionBackend:
-    """Store the step's new K/V by slot mapping, then attend: decodes batched, prefills one by one.
+    """Store the step's new K/V by slot mapping, then attend: decodes batched, prefills one by one, each query within
+    its layer's sliding window if it has one (`KVCache.sliding_window`).
 
     `decode_attention` is the one step a subclass changes: `inductor_backend.py` attends in place.
     """
@@ -89,43 +92,48 @@ class TorchAttentionBackend:
         """q (T, Hq, D), k and v (T, Hkv, D) for the step's T new tokens -> (T, Hq, D)."""
         key_cache, value_cache = self.kv_cache.key_caches[layer_idx], self.kv_cache.value_caches[layer_idx]
         write_to_kv_cache(k, v, key_cache, value_cache, self.slot_mapping)
-        scale = q.shape[-1] ** -0.5
+        scale, window = q.shape[-1] ** -0.5, self.kv_cache.sliding_window(layer_idx)
         if self.decodes_only:  # a pure decode (or verify) step, most steps: no scatter of the output
             ((n, (_, tables, seq_lens)),) = self.decode_groups.items()
             queries = q if n == 1 else q.view(-1, n, *q.shape[1:])  # (Bd, Hq, D) or (Bd, n, Hq, D)
-            return self.decode_attention(queries, key_cache, value_cache, tables, seq_lens, scale).view_as(q)
+            return self.decode_attention(queries, key_cache, value_cache, tables, seq_lens, scale, window).view_as(q)
         out = torch.empty_like(q)
         for n, (rows, tables, seq_lens) in self.decode_groups.items():
             queries = q[rows] if n == 1 else q[rows].view(-1, n, *q.shape[1:])
-            attended = self.decode_attention(queries, key_cache, value_cache, tables, seq_lens, scale)
+            attended = self.decode_attention(queries, key_cache, value_cache, tables, seq_lens, scale, window)
             out[rows] = attended.reshape(-1, *q.shape[1:])  # (Bn * n, Hq, D)
         if self.prefills:
-            self.prefill_attention(q, k, v, key_cache, value_cache, out, scale)
+            self.prefill_attention(q, k, v, key_cache, value_cache, out, scale, window)
         return out
 
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
-                          value_cache: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+                          value_cache: torch.Tensor, out: torch.Tensor, scale: float, window: int | None) -> None:
         """The prefills' rows of `out`, one sequence at a time: its new tokens with each other, or with its
-        context gathered from its blocks."""
+        context gathered from its blocks; with a sliding `window`, each token sees the last `window` positions."""
         starts, seq_lens = self.query_starts, self.seq_lens
         for b in self.prefills:
             rows = slice(starts[b], starts[b + 1])
             if seq_lens[b] == starts[b + 1] - starts[b]:  # no earlier context: attend to the new K/V only
-                out[rows] = causal_self_attention(q[rows], k[rows], v[rows], scale)
+                out[rows] = causal_self_attention(q[rows], k[rows], v[rows], scale, window)
             else:
                 block_table = self.metadata.block_tables[b]
                 keys = gather_kv(key_cache, block_table, seq_lens[b])
                 values = gather_kv(value_cache, block_table, seq_lens[b])
-                out[rows] = causal_context_attention(q[rows], keys, values, scale)
+                out[rows] = causal_context_attention(q[rows], keys, values, scale, window)
 
 
-def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def causal_self_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None
+) -> torch.Tensor:
     """Causal attention of T tokens to each other, q (T, Hq, D), k and v (T, Hkv, D) -> (T, Hq, D), with
-    PyTorch's fused kernel (it shares each KV head across its query group itself: `enable_gqa`).
+    PyTorch's fused kernel (it shares each KV head across its query group itself: `enable_gqa`). A sliding
+    `window` needs an explicit mask: `causal_context_attention`'s, its context being the T tokens themselves.
 
     The inputs get a batch dimension of one: given 3-D tensors, PyTorch's CPU dispatch picks the unfused "math"
     path, which writes out the (Hq, T, T) scores (on a 2-core AMD EPYC, 2026-11-23: 9 heads of 128 tokens took
     0.50 ms instead of the fused kernel's 0.31)."""
+    if window is not None:
+        return causal_context_attention(q, k, v, scale, window)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True, scale=scale,
         enable_gqa=True,
@@ -133,14 +141,17 @@ def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     return out[0].transpose(0, 1)  # (T, Hq, D)
 
 
-def causal_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def causal_context_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None
+) -> torch.Tensor:
     """The last Tq tokens (Tq, Hq, D) of a Tk-token context attend causally to it, k and v (Tk, Hkv, D) ->
-    (Tq, Hq, D): query i sits at position Tk - Tq + i. Chapter 3's `causal_attention`, fused, on q's device."""
+    (Tq, Hq, D): query i sits at position Tk - Tq + i, and sees the last `window` positions up to its own if a
+    window is given. Chapter 3's `causal_attention`, fused, on q's device."""
     Tq, Tk = q.shape[0], k.shape[0]
     query_pos = torch.arange(Tk - Tq, Tk, device=q.device)[:, None]  # (Tq, 1)
-    visible = torch.arange(Tk, device=q.device)[None, :] <= query_pos  # (Tq, Tk)
+    seen = visible(query_pos, torch.arange(Tk, device=q.device)[None, :], window)  # (Tq, Tk)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=visible, scale=scale,
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=seen, scale=scale,
         enable_gqa=True,
     )  # (1, Hq, Tq, D): 4-D for the fused kernel, as above
     return out[0].transpose(0, 1)  # (Tq, Hq, D)

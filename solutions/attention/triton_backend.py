@@ -3,7 +3,9 @@
 Per layer it does the same two things — store the new K/V by slot mapping, then attend through the block
 tables — but each is one kernel launch over the whole flat batch instead of a Python loop over sequences that
 copies every context out of its blocks: `kernels.store_kv_cache`, then `kernels.paged_decode_attention` when
-every sequence brings exactly one new token (a pure decode step), else `kernels.unified_attention`.
+every sequence brings exactly one new token (a pure decode step), else `kernels.unified_attention`. A layer with
+a sliding window (`KVCache.sliding_window`) always takes the unified kernel, which masks by it: chapter 6's decode
+kernels, the learner's exercises, see every earlier position.
 
 The metadata's tensors are converted once per step (in the constructor), not once per layer: int32 block
 tables padded with block 0 (never read past `seq_lens[b]`), int32 lengths and offsets, and the longest query.
@@ -65,12 +67,12 @@ class TritonAttentionBackend:
         """q (T, Hq, D), k and v (T, Hkv, D) for the step's new tokens -> attention output (T, Hq, D)."""
         key_cache, value_cache = self.kv_cache.key_caches[layer_idx], self.kv_cache.value_caches[layer_idx]
         self._kernels.store_kv_cache(k.contiguous(), v.contiguous(), key_cache, value_cache, self.slot_mapping)
-        q, scale = q.contiguous(), q.shape[-1] ** -0.5
-        if self.decode_only:  # one token per sequence: row b of q is sequence b's query
+        q, scale, window = q.contiguous(), q.shape[-1] ** -0.5, self.kv_cache.sliding_window(layer_idx)
+        if self.decode_only and window is None:  # one token per sequence: row b of q is sequence b's query
             return self._kernels.paged_decode_attention(
                 q, key_cache, value_cache, self.block_tables, self.seq_lens, scale
             )
         return self._kernels.unified_attention(
             q, key_cache, value_cache, self.block_tables, self.seq_lens, self.query_start_loc, scale,
-            max_query_len=self.max_query_len,
+            max_query_len=self.max_query_len, window=window,
         )

@@ -35,11 +35,18 @@ class ModelConfig:
     tie_word_embeddings: bool  # lm_head shares the embedding matrix
     max_position_embeddings: int
     eos_token_id: int | None
+    # Per layer, how many positions a query sees, its own and those just before it; None: every earlier one.
+    # Empty: no layer is windowed.
+    sliding_windows: tuple[int | None, ...] = ()
 
     @property
     def num_queries_per_kv(self) -> int:
         """How many query heads read each K/V head."""
         return self.num_attention_heads // self.num_key_value_heads
+
+    def sliding_window(self, layer_idx: int) -> int | None:
+        """How many positions layer `layer_idx`'s queries see, their own included; None: every earlier one."""
+        return self.sliding_windows[layer_idx] if self.sliding_windows else None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
@@ -57,7 +64,6 @@ class ModelConfig:
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
         rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
-        _refuse_a_binding_window(architecture, raw)
         num_heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
         return cls(
@@ -78,6 +84,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            sliding_windows=_binding_windows(architecture, raw),
         )
 
     @classmethod
@@ -85,26 +92,22 @@ class ModelConfig:
         return cls.from_dict(json.loads((folder / "config.json").read_text()))
 
 
-def _refuse_a_binding_window(architecture: str, raw: dict[str, Any]) -> None:
-    """Refuse a checkpoint whose sliding window can bind: every layer here attends to every earlier position.
+def _binding_windows(architecture: str, raw: dict[str, Any]) -> tuple[int | None, ...]:
+    """Each layer's sliding window, None for a layer that sees every earlier position; () when no window binds.
 
-    Which layers are windowed is read through Hugging Face's own config class (Qwen2 turns `sliding_window` off
-    unless `use_sliding_window`, and derives `layer_types` from `max_window_layers`; Mistral windows every layer),
-    so the refusal agrees with the oracle. A window at least `max_position_embeddings` wide never binds.
+    Which layers are windowed is read through Hugging Face's own config class (transformers 5.23.0: Qwen2 turns
+    `sliding_window` off unless `use_sliding_window`, and derives `layer_types` from `max_window_layers` unless they
+    are given; Mistral windows every layer), so the engine masks what the oracle masks. A window at least
+    `max_position_embeddings` wide never binds, and is dropped.
     """
     if architecture not in WINDOWED_CONFIG_CLASSES:
-        return
+        return ()
     import transformers
 
     hf = getattr(transformers, WINDOWED_CONFIG_CLASSES[architecture])(**raw)
     window = hf.sliding_window
     if window is None or window >= hf.max_position_embeddings:
-        return
+        return ()
     layer_types = getattr(hf, "layer_types", None) or ["sliding_attention"] * hf.num_hidden_layers
-    windowed = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
-    if windowed:
-        raise ValueError(
-            f"sliding_window {window} on layers {windowed} (layer_types) is not supported: every layer here attends "
-            f"to every earlier position; supported: no windowed layer, or sliding_window >= max_position_embeddings "
-            f"({hf.max_position_embeddings})"
-        )
+    windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+    return windows if any(w is not None for w in windows) else ()

@@ -27,6 +27,7 @@ import time
 import torch
 
 from solutions.attention.torch_backend import causal_context_attention
+from solutions.model.config import ModelConfig
 from solutions.model.llama import LlamaForCausalLM
 
 
@@ -71,19 +72,21 @@ class DraftKVCache:
 class DraftAttention:
     """The draft's attention backend for one forward: sequence b's new tokens are rows [starts[b], starts[b + 1])
     and follow the `caches[b].num_tokens` tokens it already holds. Each sequence writes its new K/V to its cache,
-    then attends causally over all of it, one sequence at a time."""
+    then attends causally over all of it, one sequence at a time, within the layer's sliding window if the target's
+    `config` gives it one."""
 
-    def __init__(self, caches: list[DraftKVCache], starts: list[int]) -> None:
-        self.caches, self.starts = caches, starts
+    def __init__(self, caches: list[DraftKVCache], starts: list[int], config: ModelConfig) -> None:
+        self.caches, self.starts, self.config = caches, starts, config
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (T, Hq, D), k and v (T, Hkv, D) for the forward's T new tokens -> (T, Hq, D)."""
         out = torch.empty_like(q)
+        window = self.config.sliding_window(layer_idx)
         for cache, lo, hi in zip(self.caches, self.starts[:-1], self.starts[1:], strict=True):
             start, end = cache.num_tokens, cache.num_tokens + hi - lo
             keys, values = cache.keys[layer_idx], cache.values[layer_idx]
             keys[start:end], values[start:end] = k[lo:hi], v[lo:hi]
-            out[lo:hi] = causal_context_attention(q[lo:hi], keys[:end], values[:end], q.shape[-1] ** -0.5)
+            out[lo:hi] = causal_context_attention(q[lo:hi], keys[:end], values[:end], q.shape[-1] ** -0.5, window)
         return out
 
 
@@ -133,7 +136,7 @@ class DraftModelProposer:
             ranges.append(torch.arange(cache.num_tokens, cache.num_tokens + len(feed)))  # after what it holds
             cache.reserve(cache.num_tokens + len(feed))
         positions = torch.cat(ranges).to(device)  # (T,)
-        backend = DraftAttention(caches, starts)
+        backend = DraftAttention(caches, starts, self.model.config)
         hidden = self.model.model.embed_tokens(input_ids)  # (T, D_model)
         rope = self.model.model.rotary_emb(positions)  # (cos, sin), (T, D) each
         for layer in self.layers:

@@ -164,7 +164,10 @@ class ModelRunner:
         self._draft_token_ids: DraftTokenIds | None = None  # the last sampling's drafts, until taken
         weight = model.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
-        self.kv_cache = KVCache.allocate(model.config, num_blocks, block_size, dtype=self.dtype, device=self.device)
+        self.kv_cache = KVCache.allocate(
+            model.config, num_blocks, block_size, dtype=self.dtype, device=self.device,
+            sliding_windows=model.config.sliding_windows,
+        )
         # chapter 11: host memory for swapped-out sequences and for the prefix cache's second tier (None: off)
         self.swap_cache, self.offload_cache = (
             allocate_host_cache(model.config, n, block_size, self.dtype, self.device) if n else None

@@ -32,6 +32,11 @@
  * are more query rows of the same task, so the context is still read once; the causal mask is a shorter row of
  * scores for each earlier token (token r of Q sees the first seq_len - (Q - 1 - r) positions).
  *
+ * A sliding window (window > 0; 0: none) masks the front of each row too: a query token sees only the last `window`
+ * positions up to its own (Hugging Face's rule, transformers 5.23.0 `masking_utils.py`). The positions before them
+ * are still scored, and given weight 0 by the softmax: every token stays in the cache, and reading a row from its
+ * start keeps one walk over the blocks for every row.
+ *
  * The cache may be fp32 or bf16 (`paged_decode_attention_bf16`, whose queries are bf16 too): a bf16 value is the
  * upper half of the fp32 one, so widening it is a shift, done as the vector is loaded. On a CPU with AVX512-BF16
  * (and head_dim a multiple of 32) pass 1 widens nothing: vdpbf16ps multiplies the query's and the key's bf16 pairs
@@ -43,7 +48,7 @@
  *
  * Layouts (contiguous): q and out (B, num_queries, Hq, D) in the cache's dtype; key_cache,
  * value_cache (num_blocks, block_size, Hkv, D) fp32 or bf16; block_tables (B, max_blocks) int64; seq_lens (B,)
- * int64, each the length the sequence's last query token sees.
+ * int64, each the length the sequence's last query token sees; window: positions each query sees (0: all).
  * Query head h reads K/V head h / (Hq / Hkv).
  * D is a multiple of LANES, at most MAX_HEAD_DIM.
  */
@@ -209,7 +214,8 @@ static inline vfloat dot_key(const float *qf, const uint16_t *qb, const void *ke
 static inline __attribute__((always_inline)) void attend_task(
     const void *q, const void *key_cache, const void *value_cache, const int64_t *table, int64_t len, void *out,
     int64_t num_queries, int64_t h_begin, int64_t h_end, int64_t num_q_heads, int64_t num_kv_heads,
-    const int64_t head_dim, int64_t block_size, float scale, float *scores, float *qs, float *acc, const int bf16) {
+    const int64_t head_dim, int64_t block_size, int64_t window, float scale, float *scores, float *qs, float *acc,
+    const int bf16) {
     const int64_t group = num_q_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
     const int64_t num_blocks = (len + block_size - 1) / block_size;
@@ -262,16 +268,19 @@ static inline __attribute__((always_inline)) void attend_task(
                           bf16);
 
     /* Softmax numerators in place, and 1 / their sum, per query row: query token r sees the first
-     * len - (num_queries - 1 - r) positions (the causal mask); the positions past them get weight 0. */
+     * len - (num_queries - 1 - r) positions (the causal mask), or with a window only the last `window` of them;
+     * the positions outside get weight 0. */
     float inv_sums[num_q];
     for (int64_t j = 0; j < num_q; j++) {
         float *s = scores + j * len, max = -INFINITY, sum = 0.0f;
         const int64_t row_len = len - (num_queries - 1 - j / task_q);
+        const int64_t row_start = window > 0 && row_len > window ? row_len - window : 0;
+        for (int64_t p = 0; p < row_start; p++) s[p] = 0.0f;
         for (int64_t p = row_len; p < len; p++) s[p] = 0.0f;
 #pragma omp simd reduction(max : max)
-        for (int64_t p = 0; p < row_len; p++) max = s[p] > max ? s[p] : max;
+        for (int64_t p = row_start; p < row_len; p++) max = s[p] > max ? s[p] : max;
         vfloat sums = {0};
-        int64_t p = 0;
+        int64_t p = row_start;
         for (; p + LANES <= row_len; p += LANES) {
             const vfloat e = exp_nonpositive(load(s + p) - max);
             store(s + p, e);
@@ -341,7 +350,8 @@ static inline __attribute__((always_inline)) void attend_task(
 static inline __attribute__((always_inline)) void decode(
     const void *q, const void *key_cache, const void *value_cache, const int64_t *block_tables,
     const int64_t *seq_lens, void *out, int64_t num_seqs, int64_t num_queries, int64_t num_q_heads,
-    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, const int bf16) {
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks, int64_t window, float scale,
+    const int bf16) {
     /* Whole sequences per task when there are at least two per core; else one K/V head per task. */
     const int64_t heads_per_task = num_seqs >= 2 * omp_get_max_threads() ? num_kv_heads : 1;
     const int64_t tasks_per_seq = num_kv_heads / heads_per_task, group = num_q_heads / num_kv_heads;
@@ -360,13 +370,13 @@ static inline __attribute__((always_inline)) void decode(
             void *ob = (char *)out + b * num_queries * num_q_heads * head_dim * (bf16 ? 2 : 4);
             if (head_dim == 64)
                 attend_task(qb, key_cache, value_cache, table, len, ob, num_queries, h_begin, h_end, num_q_heads,
-                            num_kv_heads, 64, block_size, scale, scores, qs, acc, bf16);
+                            num_kv_heads, 64, block_size, window, scale, scores, qs, acc, bf16);
             else if (head_dim == 128)
                 attend_task(qb, key_cache, value_cache, table, len, ob, num_queries, h_begin, h_end, num_q_heads,
-                            num_kv_heads, 128, block_size, scale, scores, qs, acc, bf16);
+                            num_kv_heads, 128, block_size, window, scale, scores, qs, acc, bf16);
             else
                 attend_task(qb, key_cache, value_cache, table, len, ob, num_queries, h_begin, h_end, num_q_heads,
-                            num_kv_heads, head_dim, block_size, scale, scores, qs, acc, bf16);
+                            num_kv_heads, head_dim, block_size, window, scale, scores, qs, acc, bf16);
         }
         free(workspace);
     }
@@ -375,15 +385,15 @@ static inline __attribute__((always_inline)) void decode(
 void paged_decode_attention(const float *q, const float *key_cache, const float *value_cache,
                             const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t num_seqs,
                             int64_t num_queries, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
-                            int64_t block_size, int64_t max_blocks, float scale) {
+                            int64_t block_size, int64_t max_blocks, int64_t window, float scale) {
     decode(q, key_cache, value_cache, block_tables, seq_lens, out, num_seqs, num_queries, num_q_heads, num_kv_heads,
-           head_dim, block_size, max_blocks, scale, 0);
+           head_dim, block_size, max_blocks, window, scale, 0);
 }
 
 void paged_decode_attention_bf16(const uint16_t *q, const uint16_t *key_cache, const uint16_t *value_cache,
                                  const int64_t *block_tables, const int64_t *seq_lens, uint16_t *out, int64_t num_seqs,
                                  int64_t num_queries, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
-                                 int64_t block_size, int64_t max_blocks, float scale) {
+                                 int64_t block_size, int64_t max_blocks, int64_t window, float scale) {
     decode(q, key_cache, value_cache, block_tables, seq_lens, out, num_seqs, num_queries, num_q_heads, num_kv_heads,
-           head_dim, block_size, max_blocks, scale, 1);
+           head_dim, block_size, max_blocks, window, scale, 1);
 }
