@@ -1,16 +1,15 @@
 """Differential grading: an exercise against the reference on engine states that no test wrote by hand.
 
 A chapter's example tests build the states its questions are about, and catch the mistakes someone thought of. These
-run the exercise where the engine runs it, on generated workloads: a workload is stepped with the reference, and
-before each step the world is copied twice; one copy steps with the reference, the other with the exercise swapped
-in (`swap_in`, as the capstone), and everything reachable from the two copies afterwards is compared — queues and
-their order, block tables, pools and the order of their free queues (the LRU order), reference counts, counters,
-the step's output. Hypothesis draws the workloads (seeded: the same examples on every run, few and small); a failing
-workload is cut down, within a few seconds, to the fewest requests that still fail, and the failure names that
-workload, the step and the first values that differ.
+run the exercise where the engine runs it, on generated workloads: two worlds are built from the same workload, one
+with the reference and one with the exercise swapped in (`swap_in`, as the capstone: a class exercise is the class
+the world is built with), and stepped side by side; after every step, everything reachable from the two is compared
+— queues and their order, block tables, pools and the order of their free queues (the LRU order), reference counts,
+counters, the step's output. Hypothesis draws the workloads (seeded: the same examples on every run, few and small); a
+failing workload is cut down, within a few seconds, to the fewest requests that still fail, and the failure names
+that workload, the step and the first values that differ.
 """
 
-import copy
 import enum
 import time
 import types
@@ -22,7 +21,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
 from grading.capstone import swap_in
-from solutions.core.sched.output import ModelRunnerOutput, sampling_rows
+from solutions.core.sched.output import DraftTokenIds, ModelRunnerOutput, sampling_rows
 from solutions.core.sequence import Sequence, SequenceStatus
 from solutions.sampling_params import SamplingParams
 
@@ -107,27 +106,6 @@ def differences(expected: list[tuple[Node, Any]], got: list[tuple[Node, Any]], l
     return found
 
 
-def step_alike(impl: Any, exercise: str, reference: Callable, world: Any, step: Callable[[Any], Any],
-               inputs: str) -> Any:
-    """Run `step` on `world` with the reference and on a copy with `impl`'s `exercise` swapped in; fail, naming
-    `inputs` and the first differences, unless the two worlds and the step's results are alike. Returns `world`,
-    stepped: the world of the next step."""
-    expected_world, got_world = world, copy.deepcopy(world)
-    expected_result = step(expected_world)
-    try:
-        with swap_in(impl, {exercise: reference}):
-            got_result = step(got_world)
-    except Exception as error:  # not an AssertionError: a stub's, or a wrong answer that breaks the engine's step
-        raise AssertionError(f"exercise `{exercise}`, run by the engine on a generated workload, made the step raise "
-                             f"{type(error).__name__}: {error}\n  {inputs}") from error
-    diff = differences(snapshot((expected_world, expected_result)), snapshot((got_world, got_result)))
-    if diff:
-        raise AssertionError(f"exercise `{exercise}`, run by the engine on a generated workload, leaves another state "
-                             f"than the reference's.\n  {inputs}\n  first differences (state[0] is the world after "
-                             "the step, state[1] what the step returned):\n    " + "\n    ".join(diff))
-    return expected_world
-
-
 # --- scheduler workloads: requests that arrive, fork, finish and are aborted, stepped without a model ---------------
 
 
@@ -195,7 +173,7 @@ class SchedulerWorld:
 
 def sampled_token(seq: Sequence) -> int:
     """The token a step samples for `seq`: a function of the sample and its length, so forked samples diverge."""
-    return 300 + (7 * seq.seq_id + 13 * seq.num_tokens) % 97
+    return _token_at(seq, seq.num_tokens)
 
 
 def scheduler_step(world: SchedulerWorld) -> Any:
@@ -211,21 +189,35 @@ def scheduler_step(world: SchedulerWorld) -> Any:
     return out
 
 
-def run_alike(impl: Any, exercise: str, reference: Callable, make_world: Callable[[list[RequestSpec]], Any],
+def run_alike(impl: Any, exercise: str, reference: Any, make_world: Callable[[list[RequestSpec]], Any],
               specs: list[RequestSpec], step: Callable[[Any], Any], inputs: str, max_steps: int = 32,
               shrink_seconds: float = 8.0) -> None:
-    """`step_alike` at every step of the workload `specs` (on `make_world(specs)`), until it is done or `max_steps`.
-    If it fails, the workload is cut down first: requests are dropped one at a time while it still fails (for at most
-    `shrink_seconds`), and the failure of the smallest is raised."""
+    """Step a world of the workload `specs` built with the reference and one built and stepped with `impl`'s
+    `exercise` swapped in, side by side, until the workload is done (or `max_steps`); fail, naming the workload, the
+    step and the first differences, unless the two and each step's results stay alike. A failing workload is cut down
+    first: requests are dropped one at a time while it still fails (for at most `shrink_seconds`)."""
 
     def failure(candidate: list[RequestSpec]) -> AssertionError | None:
-        world = make_world(candidate)
+        expected, where = make_world(candidate), f"{inputs}; requests {candidate}"
         try:
-            while not world.done and world.step < max_steps:
-                world = step_alike(impl, exercise, reference, world, step,
-                                   f"{inputs}; requests {candidate}; before step {world.step}")
-        except AssertionError as error:
-            return error
+            with swap_in(impl, {exercise: reference}):
+                got = make_world(candidate)
+            while not expected.done and expected.step < max_steps:
+                where = f"{inputs}; requests {candidate}; step {expected.step}"
+                expected_result = step(expected)
+                with swap_in(impl, {exercise: reference}):
+                    got_result = step(got)
+                diff = differences(snapshot((expected, expected_result)), snapshot((got, got_result)))
+                if diff:
+                    return AssertionError(
+                        f"exercise `{exercise}`, run by the engine on a generated workload, leaves another state than "
+                        f"the reference's.\n  {where}\n  first differences (state[0] is the world after the step, "
+                        "state[1] what the step returned):\n    " + "\n    ".join(diff))
+        except AssertionError as error:  # a stub's ExerciseError, or an assertion inside the engine
+            return AssertionError(f"{error}\n  (exercise `{exercise}`, {where})")
+        except Exception as error:  # a wrong answer that breaks the engine's step
+            return AssertionError(f"exercise `{exercise}`, run by the engine on a generated workload, made the step "
+                                  f"raise {type(error).__name__}: {error}\n  {where}")
         return None
 
     error = failure(specs)
@@ -240,3 +232,60 @@ def run_alike(impl: Any, exercise: str, reference: Callable, make_world: Callabl
         else:
             index += 1
     raise error
+
+
+@st.composite
+def scheduler_workloads(draw) -> tuple[Callable[[list[RequestSpec]], SchedulerWorld], list[RequestSpec], str]:
+    """Chapter 5's `Scheduler` over a `KVCacheManager` of 8 to 16 blocks of 4 tokens (prefix caching on or off) and
+    a generated workload: admissions, chunked prefills, forks, prefix hits, preemptions and aborts happen on their own.
+    The world is built from the modules' names when it is made, so a class exercise swapped in is the one built.
+    Returns (the world of a workload, the workload, the setting in words)."""
+    from solutions.core import kv_cache_manager
+    from solutions.core.sched import scheduler
+    from solutions.core.sched.request_queue import SchedulingPolicy
+
+    num_blocks, caching = draw(st.integers(8, 16)), draw(st.booleans())
+    policy, max_num_seqs, budget = draw(st.sampled_from(SchedulingPolicy)), draw(st.integers(2, 8)), draw(
+        st.integers(2, 24))
+
+    def make_world(specs: list[RequestSpec]) -> SchedulerWorld:
+        manager = kv_cache_manager.KVCacheManager(num_blocks, 4, enable_prefix_caching=caching)
+        return SchedulerWorld(scheduler.Scheduler(manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                                  long_prefill_token_threshold=budget, policy=policy,
+                                                  max_model_len=64), specs)
+
+    inputs = (f"block_size 4, {num_blocks} blocks, prefix caching {caching}, policy {policy.name}, max_num_seqs "
+              f"{max_num_seqs}, budget {budget}")
+    return make_world, draw(request_specs(last_arrival=6)), inputs
+
+
+def drafting_step(world: SchedulerWorld) -> Any:
+    """`scheduler_step` with speculative decoding: each sampling row's drafts are verified against the tokens the
+    step samples (`sampled_token` at each position; accepted up to the first mismatch, then one more), and after the
+    step each running sampler is given 1 to 4 new drafts, some right, then a wrong one. Returns the `SchedulerOutput`."""
+    world.arrive()
+    out = world.scheduler.schedule()
+    _, seqs = sampling_rows(out)
+    sampled = []
+    for seq in seqs:
+        tokens: list[int] = []
+        for draft in out.scheduled_spec_decode_tokens.get(seq.seq_id, []):
+            if draft != _token_at(seq, seq.num_tokens + len(tokens)):
+                break
+            tokens.append(draft)
+        sampled.append(tokens + [_token_at(seq, seq.num_tokens + len(tokens))])
+    world.scheduler.update_from_output(out, ModelRunnerOutput([s.seq_id for s in seqs], sampled, [None] * len(seqs)))
+    proposing = [seq for seq in seqs if seq.status is SequenceStatus.RUNNING]
+    drafts = []
+    for seq in proposing:
+        num_drafts = 1 + (seq.seq_id + seq.num_tokens) % 4
+        num_right = (5 * seq.seq_id + seq.num_tokens) % (num_drafts + 1)
+        drafts.append([_token_at(seq, seq.num_tokens + j) if j < num_right else 999 for j in range(num_drafts)])
+    world.scheduler.update_draft_token_ids(DraftTokenIds([seq.seq_id for seq in proposing], drafts))
+    world.step += 1
+    return out
+
+
+def _token_at(seq: Sequence, position: int) -> int:
+    """The token sampled at `position` of `seq` (as `sampled_token`, which samples at `seq.num_tokens`)."""
+    return 300 + (7 * seq.seq_id + 13 * position) % 97

@@ -14,9 +14,12 @@ sampled request and the drafts' counts to the reference engine run on the same b
 import functools
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 import torch
 
 from grading import exercising, expect_equal
+from grading.differential import DIFFERENTIAL_SETTINGS, drafting_step, run_alike, scheduler_workloads
 from grading.capstone import CAPSTONE_PROMPTS, generate_batch, smollm2_greedy, swap_in
 from solutions.core.block_hash import extend_block_hashes
 from solutions.core.kv_cache_manager import KVCacheManager
@@ -494,6 +497,19 @@ def test_hand_back_without_prefix_caching_registers_nothing(impl):
     expect_equal(len(manager.block_pool.cached_block_hash_to_block), 0, inputs=f"{inputs}; hashes in the prefix cache")
     expect_equal(len(seq.block_table), 3, inputs=f"{inputs}; blocks held (9 tokens)")
 
+
+# --- the scheduler's two exercises, against the reference on generated workloads with drafts -------------------------
+
+SCHEDULED = ("num_scheduled_spec_tokens", "hand_back_rejected_drafts")
+
+
+@pytest.mark.parametrize("exercise", [pytest.param(name, marks=pytest.mark.exercise(name)) for name in SCHEDULED])
+@DIFFERENTIAL_SETTINGS
+@given(data=st.data())
+def test_each_exercise_the_scheduler_runs_leaves_the_references_state_on_generated_workloads(exercise, impl, data):
+    make_world, specs, inputs = data.draw(scheduler_workloads(), label="workload")
+    inputs += "; every sampler drafts 1 to 4 tokens after each step, some right, then a wrong one"
+    run_alike(impl, exercise, REFERENCE[exercise], make_world, specs, drafting_step, inputs)
 
 # --- capstone: your proposer, verifier, admission and hand-back in the engine, on SmolLM2 ---------------------------
 
