@@ -1208,7 +1208,7 @@ def test_apply_penalties_in_the_engine_give_hugging_faces_tokens(impl):
 
 # --- the exercises the scheduler's step runs, against the reference on generated workloads ---------------------------
 
-SCHEDULED = ("Scheduler", "select_victim", "allocate_or_preempt", "sampling_rows")
+SCHEDULED = ("Scheduler", "select_victim", "allocate_or_preempt")
 
 
 @pytest.mark.parametrize("exercise", [pytest.param(name, marks=pytest.mark.exercise(name)) for name in SCHEDULED])
