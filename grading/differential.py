@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from hypothesis import HealthCheck, Phase, settings
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from grading.capstone import swap_in
@@ -262,7 +263,8 @@ def scheduler_workloads(draw) -> tuple[Callable[[list[RequestSpec]], SchedulerWo
 def drafting_step(world: SchedulerWorld) -> Any:
     """`scheduler_step` with speculative decoding: each sampling row's drafts are verified against the tokens the
     step samples (`sampled_token` at each position; accepted up to the first mismatch, then one more), and after the
-    step each running sampler is given 1 to 4 new drafts, some right, then a wrong one. Returns the `SchedulerOutput`."""
+    step each running sampler is given 1 to 4 new drafts, some right, then a wrong one. Returns the
+    `SchedulerOutput`."""
     world.arrive()
     out = world.scheduler.schedule()
     _, seqs = sampling_rows(out)
@@ -289,3 +291,20 @@ def drafting_step(world: SchedulerWorld) -> Any:
 def _token_at(seq: Sequence, position: int) -> int:
     """The token sampled at `position` of `seq` (as `sampled_token`, which samples at `seq.num_tokens`)."""
     return 300 + (7 * seq.seq_id + 13 * position) % 97
+
+
+def differential_test(reference: dict[str, Any], exercises: tuple[str, ...],
+                      workloads: Callable[[str], st.SearchStrategy], step: Callable[[Any], Any] = scheduler_step,
+                      note: str = "") -> Callable:
+    """A chapter's differential test, one case per exercise in `exercises`: `workloads(exercise)` draws (the world of
+    a workload, the workload, the setting in words), and `run_alike` steps it with `step`. Assign it to a `test_` name
+    in the chapter's test file."""
+
+    @pytest.mark.parametrize("exercise", [pytest.param(name, marks=pytest.mark.exercise(name)) for name in exercises])
+    @DIFFERENTIAL_SETTINGS
+    @given(data=st.data())
+    def test(exercise: str, impl: Any, data: st.DataObject) -> None:
+        make_world, specs, inputs = data.draw(workloads(exercise), label="workload")
+        run_alike(impl, exercise, reference[exercise], make_world, specs, step, inputs + note)
+
+    return test

@@ -11,13 +11,11 @@ import functools
 import random
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 import torch
 import torch.nn.functional as F
 
 from grading import exercising, expect_close, expect_equal, expect_raises
-from grading.differential import DIFFERENTIAL_SETTINGS, run_alike, scheduler_step, scheduler_workloads
+from grading.differential import differential_test, scheduler_workloads
 from grading.capstone import CAPSTONE_PROMPTS, smollm2, smollm2_greedy, swap_in
 from grading.tiny_models import hf_model, tiny_checkpoint, tiny_model
 from solutions.attention import paged as paged_attention
@@ -580,12 +578,10 @@ def test_generate_paged_with_zero_new_tokens(impl):
 SCHEDULED = ("FreeKVCacheBlockQueue",)
 
 
-@pytest.mark.parametrize("exercise", [pytest.param(name, marks=pytest.mark.exercise(name)) for name in SCHEDULED])
-@DIFFERENTIAL_SETTINGS
-@given(data=st.data())
-def test_each_exercise_the_scheduler_runs_leaves_the_references_state_on_generated_workloads(exercise, impl, data):
-    make_world, specs, inputs = data.draw(scheduler_workloads(), label="workload")
-    run_alike(impl, exercise, REFERENCE[exercise], make_world, specs, scheduler_step, inputs)
+test_each_exercise_the_scheduler_runs_leaves_the_references_state_on_generated_workloads = differential_test(
+    REFERENCE, SCHEDULED, lambda _: scheduler_workloads()
+)
+
 
 # --- capstone ---------------------------------------------------------------------------------------------------
 

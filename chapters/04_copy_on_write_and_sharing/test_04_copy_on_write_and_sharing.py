@@ -14,12 +14,10 @@ import itertools
 from array import array
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 import torch
 
 from grading import exercising, expect_equal, expect_raises
-from grading.differential import DIFFERENTIAL_SETTINGS, run_alike, scheduler_step, scheduler_workloads
+from grading.differential import differential_test, scheduler_workloads
 from grading.capstone import CAPSTONE_PROMPTS, HF_BEAM_TOKENS, HF_BEAM_WIDTH, smollm2, smollm2_beams, smollm2_greedy, swap_in
 from solutions import LLM, BeamSearchParams, SamplingParams
 from solutions import beam_search
@@ -530,12 +528,10 @@ def test_beam_step_keeps_beam_width_beams_when_scores_tie(impl):
 SCHEDULED = ("BlockPool", "hash_block_tokens", "KVCacheManager")
 
 
-@pytest.mark.parametrize("exercise", [pytest.param(name, marks=pytest.mark.exercise(name)) for name in SCHEDULED])
-@DIFFERENTIAL_SETTINGS
-@given(data=st.data())
-def test_each_exercise_the_scheduler_runs_leaves_the_references_state_on_generated_workloads(exercise, impl, data):
-    make_world, specs, inputs = data.draw(scheduler_workloads(), label="workload")
-    run_alike(impl, exercise, REFERENCE[exercise], make_world, specs, scheduler_step, inputs)
+test_each_exercise_the_scheduler_runs_leaves_the_references_state_on_generated_workloads = differential_test(
+    REFERENCE, SCHEDULED, lambda _: scheduler_workloads()
+)
+
 
 # --- capstone -----------------------------------------------------------------------------------------------------
 

@@ -12,13 +12,11 @@ and OpenAI's formula written out per token, for the penalties.
 import functools
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from grading import exercising, expect_close, expect_equal
-from grading.differential import DIFFERENTIAL_SETTINGS, run_alike, scheduler_step, scheduler_workloads
+from grading.differential import differential_test, scheduler_workloads
 from grading.capstone import CAPSTONE_PROMPTS, smollm2_greedy, swap_in
 from grading.tiny_models import hf_model, tiny_checkpoint
 from solutions import LLM, SamplingParams, StructuredOutputsParams
@@ -1211,12 +1209,10 @@ def test_apply_penalties_in_the_engine_give_hugging_faces_tokens(impl):
 SCHEDULED = ("Scheduler", "select_victim", "allocate_or_preempt")
 
 
-@pytest.mark.parametrize("exercise", [pytest.param(name, marks=pytest.mark.exercise(name)) for name in SCHEDULED])
-@DIFFERENTIAL_SETTINGS
-@given(data=st.data())
-def test_each_exercise_the_scheduler_runs_leaves_the_references_state_on_generated_workloads(exercise, impl, data):
-    make_world, specs, inputs = data.draw(scheduler_workloads(), label="workload")
-    run_alike(impl, exercise, REFERENCE[exercise], make_world, specs, scheduler_step, inputs)
+test_each_exercise_the_scheduler_runs_leaves_the_references_state_on_generated_workloads = differential_test(
+    REFERENCE, SCHEDULED, lambda _: scheduler_workloads()
+)
+
 
 # --- capstone: all of it together, on SmolLM2 ---------------------------------------------------------------------
 

@@ -14,12 +14,10 @@ sampled request and the drafts' counts to the reference engine run on the same b
 import functools
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 import torch
 
 from grading import exercising, expect_equal
-from grading.differential import DIFFERENTIAL_SETTINGS, drafting_step, run_alike, scheduler_workloads
+from grading.differential import differential_test, drafting_step, scheduler_workloads
 from grading.capstone import CAPSTONE_PROMPTS, generate_batch, smollm2_greedy, swap_in
 from solutions.core.block_hash import extend_block_hashes
 from solutions.core.kv_cache_manager import KVCacheManager
@@ -503,13 +501,11 @@ def test_hand_back_without_prefix_caching_registers_nothing(impl):
 SCHEDULED = ("num_scheduled_spec_tokens", "hand_back_rejected_drafts")
 
 
-@pytest.mark.parametrize("exercise", [pytest.param(name, marks=pytest.mark.exercise(name)) for name in SCHEDULED])
-@DIFFERENTIAL_SETTINGS
-@given(data=st.data())
-def test_each_exercise_the_scheduler_runs_leaves_the_references_state_on_generated_workloads(exercise, impl, data):
-    make_world, specs, inputs = data.draw(scheduler_workloads(), label="workload")
-    inputs += "; every sampler drafts 1 to 4 tokens after each step, some right, then a wrong one"
-    run_alike(impl, exercise, REFERENCE[exercise], make_world, specs, drafting_step, inputs)
+test_each_exercise_the_scheduler_runs_leaves_the_references_state_on_generated_workloads = differential_test(
+    REFERENCE, SCHEDULED, lambda _: scheduler_workloads(), drafting_step,
+    "; every sampler drafts 1 to 4 tokens after each step, some right, then a wrong one",
+)
+
 
 # --- capstone: your proposer, verifier, admission and hand-back in the engine, on SmolLM2 ---------------------------
 

@@ -15,13 +15,10 @@ aborts, preemptions), and the state after each step must be the reference's
 from collections.abc import Callable
 
 import pytest
-from hypothesis import given
 from hypothesis import strategies as st
 
 from grading import exercising, expect_equal
-from grading.differential import (
-    DIFFERENTIAL_SETTINGS, RequestSpec, SchedulerWorld, request_specs, run_alike, scheduler_step,
-)
+from grading.differential import RequestSpec, SchedulerWorld, differential_test, request_specs
 from grading.capstone import CAPSTONE_PROMPTS, generate_batch, smollm2, smollm2_greedy, swap_in
 from solutions.attention.paged import KVCache
 from solutions.core.kv_cache_manager import KVCacheManager
@@ -464,6 +461,9 @@ def test_lookup_counts_queries_and_hits_in_tokens(impl):
 # --- every exercise against the reference, on generated workloads ----------------------------------------------------
 
 
+HOST_TIER_EXERCISES = ("prepare_store", "get_num_new_matched_tokens")
+
+
 @st.composite
 def swapping_workloads(draw, host_tier: bool) -> tuple[Callable[[list[RequestSpec]], SchedulerWorld], list, str]:
     """A swapping scheduler on a small device pool (with `host_tier`, a host tier too: prefix caching on) and a
@@ -491,13 +491,10 @@ def swapping_workloads(draw, host_tier: bool) -> tuple[Callable[[list[RequestSpe
     return make_world, draw(request_specs(last_arrival=10 if host_tier else 3)), inputs
 
 
-@pytest.mark.parametrize("exercise", [pytest.param(name, marks=pytest.mark.exercise(name)) for name in REFERENCE])
-@DIFFERENTIAL_SETTINGS
-@given(data=st.data())
-def test_each_exercise_leaves_the_references_state_on_generated_workloads(exercise, impl, data):
-    host_tier = exercise in ("prepare_store", "get_num_new_matched_tokens")
-    make_world, specs, inputs = data.draw(swapping_workloads(host_tier), label="workload")
-    run_alike(impl, exercise, REFERENCE[exercise], make_world, specs, scheduler_step, inputs)
+test_each_exercise_leaves_the_references_state_on_generated_workloads = differential_test(
+    REFERENCE, tuple(REFERENCE), lambda exercise: swapping_workloads(exercise in HOST_TIER_EXERCISES)
+)
+
 
 # --- capstone: your swaps, your scheduler's choice and your lookup in the engine, on SmolLM2 --------------------------
 

@@ -20,14 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import given
 from hypothesis import strategies as st
 
 from grading import exercising, expect_equal, expect_raises
 from grading.capstone import CAPSTONE_PROMPTS, generate_batch, smollm2_greedy, swap_in
-from grading.differential import (
-    DIFFERENTIAL_SETTINGS, RequestSpec, SchedulerWorld, request_specs, run_alike, sampled_token,
-)
+from grading.differential import RequestSpec, SchedulerWorld, differential_test, request_specs, sampled_token
 from grading.waits import run_bounded
 from solutions.core import data_parallel_kv_cache_manager as manager_module
 from solutions.core.data_parallel_kv_cache_manager import DataParallelKVCacheManager
@@ -568,12 +565,10 @@ def data_parallel_workloads(draw) -> tuple[Callable[[list[RequestSpec]], DataPar
     return make_world, draw(request_specs(max_n=2)), inputs
 
 
-@pytest.mark.parametrize("exercise", [pytest.param(name, marks=pytest.mark.exercise(name)) for name in REFERENCE])
-@DIFFERENTIAL_SETTINGS
-@given(data=st.data())
-def test_each_exercise_leaves_the_references_state_on_generated_workloads(exercise, impl, data):
-    make_world, specs, inputs = data.draw(data_parallel_workloads(), label="workload")
-    run_alike(impl, exercise, REFERENCE[exercise], make_world, specs, data_parallel_step, inputs)
+test_each_exercise_leaves_the_references_state_on_generated_workloads = differential_test(
+    REFERENCE, tuple(REFERENCE), lambda _: data_parallel_workloads(), data_parallel_step
+)
+
 
 # --- capstone: your placement, your accounting and your requeue in the engine, on SmolLM2 -----------------------------
 
