@@ -100,6 +100,13 @@ def test_place_by_prefix_prefers_the_longer_prefix_among_equally_loaded_near_tie
 
 
 @pytest.mark.exercise("place_by_prefix")
+def test_place_by_prefix_weighs_every_replica_of_a_near_tie(impl):
+    got, inputs = place(impl, [state(0, running=1, cached=5), state(1, running=1, cached=4), state(2, cached=4)])
+    expect_equal(got, 2, inputs=f"{inputs}; the replica chosen (4, 4 and 5 blocks are all within 1 of the best: the "
+                 "least loaded of the three)")
+
+
+@pytest.mark.exercise("place_by_prefix")
 def test_place_by_prefix_caps_the_load_a_hot_prefix_may_pile_up(impl):
     got, inputs = place(impl, [state(0, running=5, cached=5), state(1, running=1)])
     expect_equal(got, 0, inputs=f"{inputs}; the replica chosen (load 5 is within the cap: 1 + 4)")
